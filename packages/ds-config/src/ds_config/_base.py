@@ -1,0 +1,214 @@
+"""Base model for every config section.
+
+What it adds over a plain pydantic model, once for all sections:
+- unknown keys are errors with a did-you-mean (or, with ``strict=False``, warnings and dropped);
+- ``"auto"`` (written by Hugging Face Transformers/Accelerate) means the documented default, unless the
+  field is marked ``KeepAuto`` because a later stage (the engine, the HF integration) resolves it;
+- deprecated names are accepted with a warning naming the replacement, and their value moves over;
+- pydantic's ``ValidationError`` becomes a ``ConfigError`` whose problems carry the full dotted key path.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from ds_config._errors import ConfigError, ConfigProblem, did_you_mean, join_path
+
+AUTO = "auto"
+M = TypeVar("M", bound=BaseModel)
+
+
+class DeprecatedConfigWarning(FutureWarning):
+    """A deprecated config key was used; the message names its replacement."""
+
+
+class UnknownConfigKeyWarning(UserWarning):
+    """An unknown config key was dropped because the config was parsed with ``strict=False``."""
+
+
+class KeepAuto:
+    """Marker (``Annotated[int | Literal["auto"], KeepAuto()]``): the field keeps the literal ``"auto"``.
+
+    Used for values a later stage fills in (batch sizes, optimizer/scheduler params); everywhere else
+    ``"auto"`` means the documented default.
+    """
+
+    def __repr__(self) -> str:
+        return "KeepAuto()"
+
+
+@dataclass(frozen=True)
+class Deprecated:
+    """Marker for a deprecated key (``Annotated[bool, Deprecated(new="offload_optimizer", convert=...)]``).
+
+    ``new`` is the replacing key (dotted for a nested key, relative to this section), ``convert`` maps the
+    old value to the new key's value. When both the old and the new key are given, that is an error.
+    """
+
+    new: str | None = None
+    convert: Callable[[Any], Any] | None = None
+    note: str = ""
+
+
+def _marker(field: FieldInfo, kind: type) -> Any:
+    return next((m for m in field.metadata if isinstance(m, kind)), None)
+
+
+def _input_keys(name: str, field: FieldInfo) -> list[str]:
+    keys = [name]
+    for alias in (field.alias, field.validation_alias):
+        if isinstance(alias, str) and alias not in keys:
+            keys.append(alias)
+    return keys
+
+
+class DSConfigModel(BaseModel):
+    """Base of every DeepSpeed config section."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        validate_assignment=True,
+        protected_namespaces=(),
+        use_attribute_docstrings=True,
+    )
+
+    _key_index: ClassVar[dict[type, dict[str, str]]] = {}
+
+    @classmethod
+    def known_keys(cls) -> dict[str, str]:
+        """Every accepted input key (field names and aliases) -> field name."""
+        index = DSConfigModel._key_index.get(cls)
+        if index is None:
+            index = {key: name for name, f in cls.model_fields.items() for key in _input_keys(name, f)}
+            DSConfigModel._key_index[cls] = index
+        return index
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_input(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = cls.known_keys()
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            details = "; ".join(f"'{k}'{did_you_mean(str(k), known)}" for k in unknown)
+            raise PydanticCustomError(
+                "unknown_key",
+                "unknown key {details}; accepted keys: {accepted}",
+                {"details": details, "accepted": ", ".join(sorted(known)), "unknown": unknown},
+            )
+        data = dict(data)
+        for name, field in cls.model_fields.items():
+            for key in _input_keys(name, field):
+                if key not in data:
+                    continue
+                if _is_auto(data[key]) and _marker(field, KeepAuto) is None:
+                    del data[key]  # "auto" inside a section means the documented default
+                elif (dep := _marker(field, Deprecated)) is not None:
+                    _migrate(data, key, dep)
+        return data
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+def _migrate(data: dict, key: str, dep: Deprecated) -> None:
+    hint = f"; use '{dep.new}' instead" if dep.new else ""
+    warnings.warn(f"config key '{key}' is deprecated{hint}{'. ' + dep.note if dep.note else ''}",
+                  DeprecatedConfigWarning, stacklevel=2)
+    if dep.new is None:
+        return
+    *parents, leaf = dep.new.split(".")
+    target = data
+    for part in parents:
+        nested = target.get(part)
+        nested = dict(nested) if isinstance(nested, dict) else {}
+        target[part] = nested
+        target = nested
+    if leaf in target:
+        raise PydanticCustomError(
+            "deprecated_conflict",
+            "'{old}' is deprecated and '{new}' replaces it: give only '{new}'",
+            {"old": key, "new": dep.new},
+        )
+    target[leaf] = dep.convert(data[key]) if dep.convert else data[key]
+
+
+def validate_section(cls: type[M], data: Any, *, strict: bool = True, path: str = "") -> M:
+    """Validate ``data`` as ``cls``; raise ``ConfigError`` with full key paths.
+
+    With ``strict=False`` unknown keys are dropped with an ``UnknownConfigKeyWarning`` naming their path.
+    """
+    data = {} if data is None else data
+    for _ in range(64):  # each round removes at least one unknown key
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            error = config_error_from(exc, data, path)
+            unknown = [e for e in exc.errors() if e["type"] == "unknown_key"]
+            if strict or not unknown or len(unknown) != len(exc.errors()):
+                raise error from None
+            data = copy.deepcopy(data)
+            for e in unknown:
+                parent = _follow(data, e["loc"])
+                for key in e["ctx"]["unknown"]:
+                    warnings.warn(f"ignoring unknown config key '{join_path(path, *_clean_loc(e['loc'], data), key)}'",
+                                  UnknownConfigKeyWarning, stacklevel=2)
+                    parent.pop(key, None)
+    raise ConfigError("too many unknown keys", path)
+
+
+def config_error_from(exc: ValidationError, data: Any, path: str = "") -> ConfigError:
+    """Turn pydantic's errors into ``ConfigError`` problems keyed by the path as the user wrote it."""
+    merged: dict[str, list[str]] = {}
+    values: dict[str, Any] = {}
+    for err in exc.errors():
+        loc = _clean_loc(err["loc"], data)
+        if err["type"] == "unknown_key":
+            for key in err["ctx"]["unknown"]:
+                p = join_path(path, *loc, key)
+                merged.setdefault(p, []).append(f"unknown key{did_you_mean(str(key), _known_at(err))}")
+            continue
+        p = join_path(path, *loc)
+        msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if msg not in merged.setdefault(p, []):
+            merged[p].append(msg)
+        if err["type"] not in ("missing", "deprecated_conflict"):
+            values.setdefault(p, err.get("input"))
+    problems = [ConfigProblem(p, " or ".join(msgs), *([values[p]] if p in values else []))
+                for p, msgs in merged.items()]
+    return ConfigError(problems)
+
+
+def _known_at(err: dict) -> list[str]:
+    return err["ctx"]["accepted"].split(", ")
+
+
+def _clean_loc(loc: tuple, data: Any) -> list:
+    """Keep only the loc parts that are keys/indices of the input (pydantic adds union-branch tags)."""
+    out, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            out.append(part)
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and isinstance(part, int) and 0 <= part < len(node):
+            out.append(part)
+            node = node[part]
+    return out
+
+
+def _follow(data: Any, loc: tuple) -> Any:
+    node = data
+    for part in _clean_loc(loc, data):
+        node = node[part]
+    return node
