@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from collections.abc import Mapping, Sequence
@@ -20,12 +21,17 @@ from deepspeed._compat_paths import COMPAT_PATHS
 class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str) -> None:
         self.target = target
+        self.provider_spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        self.provider_spec = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """The provider module was executed when it was imported."""
+        # The import system stamps the alias spec onto the module; the provider keeps its own identity
+        # so find_spec/reload of the provider's real name keep working.
+        module.__spec__ = self.provider_spec
 
 
 class _PrefixLoader(importlib.abc.Loader):
@@ -45,11 +51,30 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         self.table = table
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None):
-        provider = self.table.get(fullname)
+        provider = self._provider(fullname)
         if provider is None:
             return None
-        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(provider))
-        return spec
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(provider))
+
+    def _provider(self, fullname: str) -> str | None:
+        """The table row, or for a submodule of an aliased package the provider's own submodule.
+
+        Without the second case ``deepspeed.ops.aio._handle`` would be found on the provider's path and run
+        a second time under the alias name, giving its classes two identities.
+        """
+        if fullname in self.table:
+            return self.table[fullname]
+        parts = fullname.split(".")
+        for cut in range(len(parts) - 1, 1, -1):
+            row = self.table.get(".".join(parts[:cut]))
+            if row is not None:
+                candidate = ".".join([row, *parts[cut:]])
+                try:
+                    found = importlib.util.find_spec(candidate)
+                except ModuleNotFoundError:  # the provider row is a module, not a package
+                    found = None
+                return candidate if found is not None else None
+        return None
 
 
 class PrefixFinder(importlib.abc.MetaPathFinder):

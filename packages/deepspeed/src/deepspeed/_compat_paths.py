@@ -12,4 +12,27 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.offload_config": "ds_config.zero",
     "deepspeed.inference.config": "ds_config.inference",
     "deepspeed.monitor.config": "ds_config.monitor",
+    # monitors (ds-monitor); deepspeed.monitor itself stays a namespace, as DeepSpeed's empty package
+    "deepspeed.monitor.monitor": "ds_monitor.monitor",
+    "deepspeed.monitor.tensorboard": "ds_monitor.tensorboard",
+    "deepspeed.monitor.wandb": "ds_monitor.wandb",
+    "deepspeed.monitor.comet": "ds_monitor.comet",
+    "deepspeed.monitor.csv_monitor": "ds_monitor.csv_monitor",
+    "deepspeed.monitor.utils": "ds_monitor.utils",
+    # flops profiler (ds-profiler)
+    "deepspeed.profiling.flops_profiler": "ds_profiler",
+    "deepspeed.profiling.flops_profiler.profiler": "ds_profiler.profiler",
+    "deepspeed.ops.aio": "ds_ops.aio",
+    # native / fused optimizers and the op build system (ds-ops, issue 4)
+    "deepspeed.ops.adam": "ds_ops.adam",
+    "deepspeed.ops.adam.cpu_adam": "ds_ops.adam.cpu_adam",
+    "deepspeed.ops.adam.fused_adam": "ds_ops.adam.fused_adam",
+    "deepspeed.ops.adagrad": "ds_ops.adagrad",
+    "deepspeed.ops.adagrad.cpu_adagrad": "ds_ops.adagrad.cpu_adagrad",
+    "deepspeed.ops.lion": "ds_ops.lion",
+    "deepspeed.ops.lion.cpu_lion": "ds_ops.lion.cpu_lion",
+    "deepspeed.ops.lion.fused_lion": "ds_ops.lion.fused_lion",
+    "deepspeed.ops.lamb": "ds_ops.lamb",
+    "deepspeed.ops.lamb.fused_lamb": "ds_ops.lamb.fused_lamb",
+    "deepspeed.ops.op_builder": "ds_ops.op_builder",
 }
