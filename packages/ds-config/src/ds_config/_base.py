@@ -14,12 +14,13 @@ import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
+from ds_config._errors import _MISSING as _NO_VALUE
 from ds_config._errors import ConfigError, ConfigProblem, did_you_mean, join_path
 
 AUTO = "auto"
@@ -59,14 +60,35 @@ class Deprecated:
 
 
 def _marker(field: FieldInfo, kind: type) -> Any:
-    return next((m for m in field.metadata if isinstance(m, kind)), None)
+    """The first ``kind`` marker on the field, also inside ``Annotated`` members of a union (``X | None``)."""
+    found = next((m for m in field.metadata if isinstance(m, kind)), None)
+    return found if found is not None else _marker_in(field.annotation, kind)
+
+
+def _marker_in(annotation: Any, kind: type) -> Any:
+    if get_origin(annotation) is Annotated:
+        found = next((m for m in annotation.__metadata__ if isinstance(m, kind)), None)
+        if found is not None:
+            return found
+    for arg in get_args(annotation):
+        found = _marker_in(arg, kind)
+        if found is not None:
+            return found
+    return None
+
+
+def keeps_auto(field: FieldInfo) -> bool:
+    """Whether ``"auto"`` stays as written in this field (``KeepAuto``) instead of meaning the default."""
+    return _marker(field, KeepAuto) is not None
 
 
 def _input_keys(name: str, field: FieldInfo) -> list[str]:
     keys = [name]
     for alias in (field.alias, field.validation_alias):
-        if isinstance(alias, str) and alias not in keys:
-            keys.append(alias)
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        for choice in choices:
+            if isinstance(choice, str) and choice not in keys:
+                keys.append(choice)
     return keys
 
 
@@ -95,10 +117,11 @@ class DSConfigModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _screen_input(cls, data: Any, info: ValidationInfo) -> Any:
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or is_own_state(cls, data, info):
             return data
         known = cls.known_keys()
-        unknown = [k for k in data if k not in known]
+        open_model = cls.model_config.get("extra") == "allow"  # open mappings (optimizer params, ...)
+        unknown = [] if open_model else [k for k in data if k not in known]
         if unknown:
             details = "; ".join(f"'{k}'{did_you_mean(str(k), known)}" for k in unknown)
             raise PydanticCustomError(
@@ -116,6 +139,21 @@ class DSConfigModel(BaseModel):
                 elif (dep := _marker(field, Deprecated)) is not None:
                     _migrate(data, key, dep)
         return data
+
+
+def is_own_state(cls: type[BaseModel], data: dict, info: ValidationInfo) -> bool:
+    """True when pydantic re-validates the model's own state on attribute assignment (``validate_assignment``).
+
+    That state is already screened and holds every field (deprecated ones included), so it must not be
+    screened again. ``info.field_name`` alone does not tell: it is also set when the section is validated as a
+    field of its parent.
+    """
+    if info.field_name is None or not all(name in data for name in cls.model_fields):
+        return False
+    if cls.model_config.get("extra") != "allow" and len(data) != len(cls.model_fields):
+        return False  # an extra key: this is user input
+    # user input could name every field; the model's own state never holds an "auto" it would replace
+    return not any(_is_auto(data[name]) and not keeps_auto(field) for name, field in cls.model_fields.items())
 
 
 def _is_auto(value: Any) -> bool:
@@ -147,25 +185,53 @@ def _migrate(data: dict, key: str, dep: Deprecated) -> None:
 def validate_section(cls: type[M], data: Any, *, strict: bool = True, path: str = "") -> M:
     """Validate ``data`` as ``cls``; raise ``ConfigError`` with full key paths.
 
-    With ``strict=False`` unknown keys are dropped with an ``UnknownConfigKeyWarning`` naming their path.
+    Every problem is reported at once: unknown keys are set aside and the rest validated again, so a typo
+    does not hide a real error elsewhere. With ``strict=False`` unknown keys are dropped with an
+    ``UnknownConfigKeyWarning`` naming their path.
     """
     data = {} if data is None else data
-    for _ in range(64):  # each round removes at least one unknown key
+    problems: list[ConfigProblem] = []
+    for _ in range(64):  # each round sets aside at least one unknown key
         try:
-            return cls.model_validate(data)
+            result = cls.model_validate(data)
         except ValidationError as exc:
             error = config_error_from(exc, data, path)
-            unknown = [e for e in exc.errors() if e["type"] == "unknown_key"]
-            if strict or not unknown or len(unknown) != len(exc.errors()):
-                raise error from None
-            data = copy.deepcopy(data)
-            for e in unknown:
-                parent = _follow(data, e["loc"])
-                for key in e["ctx"]["unknown"]:
-                    warnings.warn(f"ignoring unknown config key '{join_path(path, *_clean_loc(e['loc'], data), key)}'",
-                                  UnknownConfigKeyWarning, stacklevel=2)
-                    parent.pop(key, None)
-    raise ConfigError("too many unknown keys", path)
+            unknown = [e for e in exc.errors() if e["type"] in ("unknown_key", "extra_forbidden")]
+            if not unknown or len(unknown) != len(exc.errors()):
+                raise ConfigError(problems + error.problems) from None
+            if strict:
+                problems += error.problems
+            data = _drop_unknown(data, unknown, path, warn=not strict)
+            continue
+        if problems:
+            raise ConfigError(problems)
+        return result
+    raise ConfigError(problems or [ConfigProblem(path, "too many unknown keys")])
+
+
+def _drop_unknown(data: Any, unknown: list[dict], path: str, *, warn: bool) -> Any:
+    """A copy of ``data`` without the unknown keys; only the containers on their paths are copied
+    (a config may hold objects that cannot be deep-copied, such as process groups)."""
+    for e in unknown:
+        loc, keys = (e["loc"], e["ctx"]["unknown"]) if e["type"] == "unknown_key" else (e["loc"][:-1], [e["loc"][-1]])
+        loc = _clean_loc(loc, data)
+        data = _copy_along(data, loc)
+        parent = _follow(data, tuple(loc))
+        for key in keys:
+            if warn:
+                warnings.warn(f"ignoring unknown config key '{join_path(path, *loc, key)}'",
+                              UnknownConfigKeyWarning, stacklevel=3)
+            parent.pop(key, None)
+    return data
+
+
+def _copy_along(data: Any, loc: list) -> Any:
+    root = copy.copy(data)
+    node = root
+    for part in loc:
+        node[part] = copy.copy(node[part])
+        node = node[part]
+    return root
 
 
 def config_error_from(exc: ValidationError, data: Any, path: str = "") -> ConfigError:
@@ -174,13 +240,24 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
     values: dict[str, Any] = {}
     for err in exc.errors():
         loc = _clean_loc(err["loc"], data)
+        if err["type"] == "missing" and err["loc"] and isinstance(err["loc"][-1], str):
+            loc = _clean_loc(err["loc"][:-1], data) + [err["loc"][-1]]  # the missing key is not in the input
         if err["type"] == "unknown_key":
             for key in err["ctx"]["unknown"]:
                 p = join_path(path, *loc, key)
-                merged.setdefault(p, []).append(f"unknown key{did_you_mean(str(key), _known_at(err))}")
+                merged.setdefault(p, []).append(_unknown_key_message(str(key), _known_at(err)))
+            continue
+        nested = (err.get("ctx") or {}).get("error")
+        if isinstance(nested, ConfigError):  # a cross-field check that already names its key paths
+            for prob in nested.problems:
+                merged.setdefault(join_path(path, *loc, prob.path), []).append(prob.message)
+                if prob.value is not _NO_VALUE:
+                    values.setdefault(join_path(path, *loc, prob.path), prob.value)
             continue
         p = join_path(path, *loc)
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if err["type"] == "extra_forbidden":  # a section that skipped the screening: same wording
+            msg = "unknown key"
         if msg not in merged.setdefault(p, []):
             merged[p].append(msg)
         if err["type"] not in ("missing", "deprecated_conflict"):
@@ -188,6 +265,14 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
     problems = [ConfigProblem(p, " or ".join(msgs), *([values[p]] if p in values else []))
                 for p, msgs in merged.items()]
     return ConfigError(problems)
+
+
+def _unknown_key_message(key: str, known: list[str], shown: int = 12) -> str:
+    hint = did_you_mean(key, known)
+    if hint:
+        return f"unknown key{hint}"
+    listed = ", ".join(known[:shown]) + (f", ... ({len(known)} in all)" if len(known) > shown else "")
+    return f"unknown key; accepted here: {listed}"
 
 
 def _known_at(err: dict) -> list[str]:

@@ -1,0 +1,86 @@
+"""Cross-section checks: combinations of individually valid sections that DeepSpeed cannot run.
+
+Each problem names the key that has to change and says why. ZeRO-internal checks (offload_param below stage
+3, nvme without nvme_path, ...) live in the ZeRO section itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ds_config._errors import ConfigError, ConfigProblem
+
+if TYPE_CHECKING:
+    from ds_config.config import DeepSpeedConfig
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _precision(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
+    out = []
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        out.append(ConfigProblem("bf16.enabled", "fp16 and bf16 cannot both be enabled: they are two "
+                                 "different mixed-precision modes; enable only one"))
+    if cfg.amp.enabled and cfg.fp16.enabled:
+        out.append(ConfigProblem("amp.enabled", "amp cannot be combined with fp16: both would manage fp16 "
+                                 "casting and loss scaling; use only one"))
+    if cfg.amp.enabled and cfg.bf16.enabled:
+        out.append(ConfigProblem("amp.enabled", "amp cannot be combined with bf16: Apex AMP manages its own "
+                                 "precision; use only one"))
+    if cfg.amp.enabled and cfg.zero_stage > 0:
+        out.append(ConfigProblem("amp.enabled", f"amp is not compatible with ZeRO (zero_optimization.stage="
+                                 f"{cfg.zero_stage}): ZeRO needs DeepSpeed's own fp16/bf16 optimizer wrapper; "
+                                 "use fp16 or bf16 instead of amp, or set stage 0"))
+    return out
+
+
+def _parallel(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
+    out = []
+    stage = cfg.zero_stage
+    if cfg.tensor_parallel.enabled and stage == 3:
+        out.append(ConfigProblem("tensor_parallel.autotp_size", "AutoTP training supports ZeRO stages 0, 1 and "
+                                 "2 only: ZeRO-3 would partition the already tensor-sharded weights again "
+                                 "(zero_optimization.stage is 3)", cfg.tensor_parallel.autotp_size))
+    if cfg.expert_parallel.enabled and stage == 3:
+        out.append(ConfigProblem("expert_parallel.enabled", "AutoEP supports ZeRO stages 0, 1 and 2 only: "
+                                 "ZeRO-3's partitioned parameters are outside AutoEP's scope "
+                                 "(zero_optimization.stage is 3)"))
+    if cfg.expert_parallel.enabled and cfg.tensor_parallel.enabled:
+        out.append(ConfigProblem("expert_parallel.enabled", "AutoEP cannot be combined with AutoTP "
+                                 f"(tensor_parallel.autotp_size={cfg.tensor_parallel.autotp_size} > 1) yet"))
+    if cfg.compile.autosp and stage != 0:
+        out.append(ConfigProblem("compile.passes", f"AutoSP requires ZeRO stage 0 (zero_optimization.stage is "
+                                 f"{stage}): sequence sharding by the compiler is not supported with ZeRO yet"))
+    if isinstance(cfg.pipeline.stages, int) and cfg.pipeline.stages > 1:
+        out.extend(pipeline_problems(cfg, cfg.pipeline.stages))
+    return out
+
+
+def pipeline_problems(cfg: DeepSpeedConfig, num_stages: int) -> list[ConfigProblem]:
+    """Problems of running ``cfg`` with ``num_stages`` pipeline stages (the engine calls this once the model's
+    ``PipelineModule`` is known)."""
+    if num_stages > 1 and cfg.zero_stage >= 2:
+        return [ConfigProblem("zero_optimization.stage", f"pipeline parallelism ({num_stages} stages) works with "
+                              "ZeRO stage 0 or 1 only: ZeRO-2/3 partition gradients (and parameters) while the "
+                              "pipeline accumulates them across micro-batches", cfg.zero_stage)]
+    return []
+
+
+def _elasticity(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
+    if not cfg.elasticity.enabled or cfg.elasticity.ignore_non_elastic_batch_info:
+        return []
+    given = [k for k in BATCH_KEYS if k in cfg.model_fields_set]
+    return [ConfigProblem(k, "elastic training is enabled, so batch sizes come from the elasticity section; "
+                             "remove this key or set elasticity.ignore_non_elastic_batch_info") for k in given]
+
+
+def find_problems(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
+    """Every cross-section problem of ``cfg`` (empty when the combination is runnable)."""
+    return _precision(cfg) + _parallel(cfg) + _elasticity(cfg)
+
+
+def check_compatibility(cfg: DeepSpeedConfig) -> None:
+    """Raise ``ConfigError`` listing every cross-section problem of ``cfg``."""
+    problems = find_problems(cfg)
+    if problems:
+        raise ConfigError(problems)

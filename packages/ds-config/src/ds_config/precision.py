@@ -1,0 +1,102 @@
+"""Mixed-precision sections: ``fp16``, ``bf16``, ``amp``, ``torch_autocast`` and ``data_types``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ds_config._base import DSConfigModel
+from ds_config._types import Bool, DType, Float, LowDType, NonNeg, PosInt
+
+DEFAULT_AUTOCAST_LOWER_PRECISION_MODULES = ["torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d"]
+"""Modules whose gradients/parameters ``torch_autocast`` downcasts for communication when none are listed."""
+
+
+class FP16Config(DSConfigModel):
+    """``fp16``: DeepSpeed's native fp16 mixed precision with (dynamic) loss scaling."""
+
+    enabled: Bool = False
+    """Enable fp16 mixed-precision training."""
+    auto_cast: Bool = False
+    """Cast the module's floating-point inputs to fp16 in ``engine.forward``."""
+    loss_scale: Float = Field(0.0, ge=0)
+    """Static loss scale; ``0.0`` selects dynamic loss scaling."""
+    initial_scale_power: NonNeg = 32
+    """Dynamic loss scaling starts at ``2**initial_scale_power`` (the documented default is 32)."""
+    loss_scale_window: PosInt = 1000
+    """Steps without overflow before the dynamic loss scale is raised."""
+    hysteresis: PosInt = 2
+    """Overflows tolerated before the dynamic loss scale is lowered (delay shift)."""
+    consecutive_hysteresis: Bool = False
+    """Refill the hysteresis counter on every step that does not overflow."""
+    min_loss_scale: Float = Field(1000, gt=0)
+    """Floor of the dynamic loss scale (the documented default is 1000)."""
+    fp16_master_weights_and_grads: Bool = False
+    """Keep master weights and gradients in fp16 (ZeRO-Offload with CPU Adam only)."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == 0
+
+
+class BF16Config(DSConfigModel):
+    """``bf16`` (older name ``bfloat16``): bfloat16 mixed precision; needs no loss scaling."""
+
+    enabled: Bool = False
+    """Enable bfloat16 mixed-precision training."""
+    immediate_grad_update: Bool = True
+    """Apply gradients to the fp32 master copy as soon as they are reduced (saves a gradient buffer)."""
+    check_grad_overflow: Bool = False
+    """Check bf16 gradients for inf/nan and skip the step when found."""
+    bf16_master_weights_and_grads: Bool = False
+    """Keep master weights and gradients in bf16 instead of fp32."""
+    bf16_optimizer_states: Bool = False
+    """Keep optimizer states in bf16 (with ``bf16_master_weights_and_grads``)."""
+
+
+class AMPConfig(DSConfigModel):
+    """``amp``: NVIDIA Apex AMP. Keys other than ``enabled`` go to ``apex.amp.initialize`` unchanged."""
+
+    enabled: Bool = False
+    """Enable Apex AMP."""
+    opt_level: Literal["O0", "O1", "O2", "O3"] | None = None
+    """Apex optimisation level (``"O1"`` is Apex's recommendation)."""
+    cast_model_type: str | None = None
+    patch_torch_functions: Bool | None = None
+    keep_batchnorm_fp32: Bool | str | None = None
+    master_weights: Bool | None = None
+    loss_scale: Float | Literal["dynamic"] | None = None
+    cast_model_outputs: str | None = None
+    num_losses: PosInt | None = None
+    verbosity: NonNeg | None = None
+    min_loss_scale: Float | None = None
+    max_loss_scale: Float | None = None
+
+    def apex_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``apex.amp.initialize``: every key the user set except ``enabled``."""
+        return {k: getattr(self, k) for k in self.model_fields_set if k != "enabled"}
+
+
+class TorchAutocastConfig(DSConfigModel):
+    """``torch_autocast``: run ``engine.forward`` under ``torch.autocast`` with a gradient scaler."""
+
+    enabled: Bool = False
+    """Enable ``torch.autocast`` inside the engine."""
+    dtype: LowDType = "bf16"
+    """Lower-precision dtype passed to ``torch.autocast`` (``bfloat16`` or ``float16``)."""
+    lower_precision_safe_modules: list[str] | None = None
+    """Module classes whose communication is downcast; ``None`` means the documented default list."""
+
+    @property
+    def safe_modules(self) -> list[str]:
+        if self.lower_precision_safe_modules is None:
+            return list(DEFAULT_AUTOCAST_LOWER_PRECISION_MODULES)
+        return list(self.lower_precision_safe_modules)
+
+
+class DataTypesConfig(DSConfigModel):
+    """``data_types``: dtypes of internal buffers."""
+
+    grad_accum_dtype: DType | None = None
+    """dtype of gradient accumulation; ``None`` matches the model's dtype."""

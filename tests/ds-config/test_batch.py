@@ -1,0 +1,151 @@
+"""Batch arithmetic: train_batch_size = micro batch per GPU x gradient accumulation steps x world size."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ds_config import BatchSizes, ConfigError, ElasticityConfig, load_config, resolve_batch_sizes
+
+
+@pytest.mark.parametrize(("given_keys", "world", "expected"), [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 4, (32, 4, 2)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_batch_size": 32}, 4, (32, 8, 1)),
+    ({"train_micro_batch_size_per_gpu": 4}, 4, (16, 4, 1)),
+])
+def test_derives_the_missing_keys(given_keys, world, expected):
+    sizes = resolve_batch_sizes(**given_keys, world_size=world)
+    assert (sizes.train_batch_size, sizes.train_micro_batch_size_per_gpu, sizes.gradient_accumulation_steps) \
+        == expected
+    assert sizes.world_size == world
+
+
+def test_inconsistent_values_show_the_equation():
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_sizes(30, 4, 2, world_size=4)
+    text = str(err.value)
+    assert "train_batch_size (30)" in text and "(4)" in text and "(2)" in text and "= 32" in text
+    assert err.value.paths == ["train_batch_size"]
+
+
+def test_non_divisible_derivation_names_the_derived_key():
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_sizes(30, 4, world_size=4)
+    assert err.value.paths == ["gradient_accumulation_steps"] and "1.875" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_sizes(30, world_size=4)
+    assert err.value.paths == ["train_micro_batch_size_per_gpu"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"gradient_accumulation_steps": 2},  # neither the global nor the micro batch
+    {},
+    {"train_batch_size": 0},
+    {"train_batch_size": True},
+    {"train_batch_size": "auto"},
+])
+def test_bad_inputs(bad):
+    with pytest.raises(ConfigError):
+        resolve_batch_sizes(**bad, world_size=2)
+
+
+@pytest.mark.parametrize("world", [0, -1, 1.5])
+def test_bad_world_size(world):
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_sizes(8, world_size=world)
+    assert err.value.paths == ["world_size"]
+
+
+@given(st.integers(1, 64), st.integers(1, 16), st.integers(1, 32),
+       st.sampled_from(["tbs+mbs", "tbs+gas", "mbs+gas", "all"]))
+def test_any_two_keys_reproduce_the_third(mbs, gas, world, which):
+    tbs = mbs * gas * world
+    keys = {"tbs+mbs": (tbs, mbs, None), "tbs+gas": (tbs, None, gas), "mbs+gas": (None, mbs, gas),
+            "all": (tbs, mbs, gas)}[which]
+    assert resolve_batch_sizes(*keys, world_size=world) == BatchSizes(tbs, mbs, gas, world)
+
+
+def test_config_exposes_derived_numbers_after_world_size():
+    cfg = load_config({"train_batch_size": 64, "gradient_accumulation_steps": 2})
+    with pytest.raises(ConfigError):
+        _ = cfg.batch
+    sizes = cfg.resolve_batch(8)
+    assert cfg.batch is sizes and cfg.train_micro_batch_size_per_gpu == 4
+    assert cfg.to_dict()["train_micro_batch_size_per_gpu"] == 4
+    assert load_config({"train_micro_batch_size_per_gpu": 2}, world_size=3).batch.train_batch_size == 6
+
+
+def test_world_size_at_load_checks_consistency():
+    with pytest.raises(ConfigError) as err:
+        load_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
+                     "gradient_accumulation_steps": 1}, world_size=2)
+    assert "train_batch_size (10)" in str(err.value)
+
+
+def test_auto_batch_sizes_block_resolution_by_name():
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})
+    with pytest.raises(ConfigError) as err:
+        cfg.resolve_batch(2)
+    assert "train_batch_size" in err.value.paths[0] and "auto" in str(err.value)
+
+
+# ---- elastic training: the batch keys come from the elasticity section ----
+def _divisor_counts(limit: int) -> list[int]:
+    counts = [0] * (limit + 1)
+    for d in range(1, limit + 1):
+        for multiple in range(d, limit + 1, d):
+            counts[multiple] += 1
+    return counts
+
+
+def test_highly_composite_table():
+    from ds_config.elastic import HIGHLY_COMPOSITE
+
+    limit = 30000
+    counts, record, expected = _divisor_counts(limit), 0, []
+    for n in range(1, limit + 1):
+        if counts[n] > record:
+            record, expected = counts[n], [*expected, n]
+    assert [h for h in HIGHLY_COMPOSITE if h <= limit] == expected
+
+
+def test_elastic_plan_matches_reference_case():
+    # DeepSpeed's own elasticity test case: 9792 samples, valid on 23 GPU counts between 32 and 1500.
+    from ds_config.elastic import elastic_plan
+
+    plan = elastic_plan(ElasticityConfig(enabled=True, max_train_batch_size=10000, micro_batch_sizes=[8, 12, 16, 17],
+                                         min_gpus=32, max_gpus=1500, version=0.1))
+    assert plan.train_batch_size == 9792 and len(plan.valid_world_sizes) == 23
+
+
+@given(st.lists(st.integers(1, 24), min_size=1, max_size=4), st.integers(24, 5000), st.booleans(),
+       st.sampled_from([0.1, 0.2]))
+def test_elastic_plan_is_consistent(micro, max_batch, larger, version):
+    from ds_config.elastic import elastic_batch_sizes, elastic_plan
+
+    cfg = ElasticityConfig(enabled=True, max_train_batch_size=max_batch, micro_batch_sizes=micro,
+                           prefer_larger_batch=larger, version=version, num_gpus_per_node=4, model_parallel_size=2)
+    plan = elastic_plan(cfg)
+    assert plan.valid_world_sizes
+    for world in plan.valid_world_sizes[:5]:
+        sizes = elastic_batch_sizes(cfg, world)
+        assert sizes.train_batch_size == plan.train_batch_size
+        assert sizes.train_micro_batch_size_per_gpu * sizes.gradient_accumulation_steps * world == \
+            plan.train_batch_size
+        assert sizes.train_micro_batch_size_per_gpu in micro
+
+
+def test_elastic_config_resolves_through_the_config():
+    cfg = load_config({"elasticity": {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6]}},
+                      world_size=8)
+    assert cfg.batch == BatchSizes(1680, 6, 35, 8) and cfg.train_batch_size == 1680
+    with pytest.raises(ConfigError, match="world size 9"):
+        load_config({"elasticity": {"enabled": True}}, world_size=9)
+    with pytest.raises(ConfigError) as err:
+        load_config({"elasticity": {"enabled": True, "version": 0.2, "num_gpus_per_node": 6,
+                                    "model_parallel_size": 4}}, world_size=2)
+    assert err.value.paths == ["elasticity.model_parallel_size"]
