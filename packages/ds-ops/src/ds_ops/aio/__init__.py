@@ -1,0 +1,33 @@
+"""Asynchronous file/NVMe I/O of CPU tensors over Linux libaio: the storage engine of ZeRO-Infinity.
+
+``AsyncIOHandle`` (also ``aio_handle``, DeepSpeed's name) reads and writes whole tensors, splitting each
+request into ``block_size`` pieces kept in flight up to ``queue_depth`` per I/O thread, with O_DIRECT when
+buffer, offset and block size are aligned (``new_cpu_locked_tensor`` gives such buffers) and buffered I/O
+otherwise. ``ds_ops.aio.swap`` moves lists of tensors to a directory and back.
+
+Why cffi's ABI mode over ``libaio.so.1`` rather than API mode: the calls are few and coarse (one
+``io_submit``/``io_getevents`` per batch of >=128 KiB pieces, so libffi's per-call cost is noise next to the
+I/O); ABI mode needs neither a C compiler nor libaio's headers on the user's machine, only Debian's runtime
+``libaio1`` (``scripts/system-deps.sh`` installs it); there is no build cache to go stale across Python
+versions; and the structures passed are the kernel's stable ``iocb``/``io_event`` UAPI, checked by size at load.
+Without libaio (or with ``DS_AIO_BACKEND=threads`` / ``backend="threads"``) the same API runs on a thread
+pool doing ``os.preadv``/``os.pwritev``, with a warning when it was not asked for.
+"""
+
+from ds_ops.aio import swap
+from ds_ops.aio._builder import AsyncIOBuilder
+from ds_ops.aio._errors import AioError
+from ds_ops.aio._handle import BACKEND_ENV, AsyncIOHandle
+from ds_ops.aio._libaio import unavailable_reason as libaio_unavailable_reason
+
+aio_handle = AsyncIOHandle
+
+__all__ = [
+    "BACKEND_ENV",
+    "AioError",
+    "AsyncIOBuilder",
+    "AsyncIOHandle",
+    "aio_handle",
+    "libaio_unavailable_reason",
+    "swap",
+]

@@ -1,0 +1,56 @@
+"""``AsyncIOBuilder``: the op-builder face of this module, as DeepSpeed scripts call it.
+
+``deepspeed.ops.op_builder.AsyncIOBuilder().load()`` returns the module whose ``aio_handle`` is the handle
+type. Nothing is compiled: the bindings use cffi's ABI mode (see the package docstring), so ``load`` only
+imports, and the op is usable everywhere Python's os.preadv exists (libaio, or the thread-pool fallback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+from ds_ops.aio import _libaio
+
+
+class AsyncIOBuilder:
+    """Builder of the ``async_io`` op (DeepSpeed's ``AsyncIOBuilder``)."""
+
+    BUILD_VAR = "DS_BUILD_AIO"
+    NAME = "async_io"
+
+    def __init__(self) -> None:
+        self.name = self.NAME
+
+    def absolute_name(self) -> str:
+        return "deepspeed.ops.aio"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        """True where the op works: with libaio, or through the thread-pool fallback (POSIX preadv)."""
+        ok = not self.compatibility_problems()
+        if verbose:
+            reason = _libaio.unavailable_reason()
+            backend = "libaio" if reason is None else f"thread-pool fallback ({reason})"
+            print(f"{self.NAME}: {'compatible' if ok else 'incompatible (no os.preadv)'}, backend: {backend}")
+        return ok
+
+    def compatibility_problems(self) -> list[str]:
+        """What prevents the op from working here (empty: it works, through libaio or the fallback)."""
+        return [] if hasattr(os, "preadv") and hasattr(os, "pwritev") else ["no os.preadv/os.pwritev here"]
+
+    def is_built(self) -> str:
+        """Nothing is compiled (cffi ABI mode); says which backend handles get: "libaio" or "threads"."""
+        return "libaio" if _libaio.unavailable_reason() is None else "threads"
+
+    def libaio_available(self) -> bool:
+        """Whether libaio.so.1 loads here (otherwise handles use the fallback)."""
+        return _libaio.unavailable_reason() is None
+
+    def load(self, verbose: bool = True) -> ModuleType:
+        """The op module: ``aio_handle`` (= ``AsyncIOHandle``) and friends."""
+        if not self.is_compatible():
+            raise RuntimeError(f"{self.NAME}: this platform has no os.preadv/os.pwritev")
+        return importlib.import_module("ds_ops.aio")
+
+    jit_load = load

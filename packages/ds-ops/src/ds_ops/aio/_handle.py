@@ -1,0 +1,370 @@
+"""``AsyncIOHandle``: reads and writes whole CPU tensors to files, synchronously or asynchronously."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+
+import torch
+
+from ds_ops.aio import _files, _libaio, _memory
+from ds_ops.aio._errors import AioError
+from ds_ops.aio._ops import Chunk, Op, Target
+from ds_ops.aio._rings import LibaioRing
+from ds_ops.aio._worker import Settings, Worker
+
+BACKEND_ENV = "DS_AIO_BACKEND"
+_BACKENDS = ("auto", "libaio", "threads")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"AsyncIOHandle: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"AsyncIOHandle: {name} must be a bool, got {value!r}")
+    return value
+
+
+def _choose_backend(backend: str | None) -> str:
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
+    if choice not in _BACKENDS:
+        source = "backend" if backend is not None else f"environment variable {BACKEND_ENV}"
+        raise ValueError(f"AsyncIOHandle: {source} must be one of {_BACKENDS}, got {choice!r}")
+    reason = _libaio.unavailable_reason()
+    if choice == "libaio" and reason is not None:
+        raise RuntimeError(f"AsyncIOHandle: backend='libaio' requested but {reason}")
+    if choice == "auto":
+        if reason is None:
+            return "libaio"
+        warnings.warn(
+            f"ds_ops.aio: {reason}; using the thread-pool fallback (os.preadv/os.pwritev)", RuntimeWarning, stacklevel=3
+        )
+        return "threads"
+    return choice
+
+
+def _stop_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        worker.stop()
+
+
+class AsyncIOHandle:
+    """Tensor <-> file I/O over libaio (or a thread pool), the engine under ZeRO-Infinity's NVMe swapping.
+
+    Args (the ``aio`` config section): ``block_size`` bytes per request piece; ``queue_depth`` pieces kept in
+    flight per thread; ``single_submit`` submits pieces one by one instead of in batches; ``overlap_events``
+    refills the queue as each piece completes instead of waiting for the whole batch; ``thread_count`` I/O
+    threads, each with its own io context, that split every request between them. ``backend``: "auto"
+    (libaio when loadable), "libaio" or "threads" (the fallback); default from ``DS_AIO_BACKEND``.
+    ``use_direct``: allow O_DIRECT (used when the file offset and block size are aligned and the filesystem
+    accepts it; buffered I/O otherwise). ``stage_unaligned``: a buffer misaligned in memory (plain tensors)
+    still gets O_DIRECT through each thread's ``2 * queue_depth`` aligned staging blocks, one copy per
+    piece, instead of buffered I/O; page-aligned buffers (``new_cpu_locked_tensor``) are never copied.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1048576,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        thread_count: int = 1,
+        *,
+        backend: str | None = None,
+        use_direct: bool = True,
+        stage_unaligned: bool = True,
+    ) -> None:
+        self._settings = Settings(
+            block_size=_positive_int("block_size", block_size),
+            queue_depth=_positive_int("queue_depth", queue_depth),
+            single_submit=_boolean("single_submit", single_submit),
+            overlap_events=_boolean("overlap_events", overlap_events),
+        )
+        self._thread_count = _positive_int("thread_count", thread_count)
+        self._use_direct = _boolean("use_direct", use_direct)
+        self._stage_unaligned = _boolean("stage_unaligned", stage_unaligned)
+        self._backend = _choose_backend(backend)
+        self._workers = self._start_workers(backend is None and os.environ.get(BACKEND_ENV, "auto") == "auto")
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._lock = threading.Lock()
+        self._pending: list[Op] = []
+        self._next_worker = 0
+        self._bytes = {"direct": 0, "direct-staged": 0, "buffered": 0}
+        self._last_mode: str | None = None
+
+    @classmethod
+    def from_config(cls, section: object, **kwargs: object) -> AsyncIOHandle:
+        """A handle from the ``aio`` config section (an object with its attributes, or a dict)."""
+        names = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
+        if isinstance(section, dict):
+            unknown = sorted(set(section) - set(names) - {"use_gds", "intra_op_parallelism"})
+            if unknown:
+                raise ValueError(f"AsyncIOHandle.from_config: unknown aio keys {unknown}; accepted: {list(names)}")
+            if "intra_op_parallelism" in section:
+                section = {**section, "thread_count": section["intra_op_parallelism"]}
+            values = {k: section[k] for k in names if k in section}
+        else:
+            values = {k: getattr(section, k) for k in names if hasattr(section, k)}
+        return cls(**values, **kwargs)
+
+    def _start_workers(self, may_fall_back: bool) -> list[Worker]:
+        """One worker per thread, each with its own io context; in "auto" mode a failed io_setup falls back."""
+        workers: list[Worker] = []
+        try:
+            for i in range(self._thread_count):
+                ring = LibaioRing(self._settings.queue_depth) if self._backend == "libaio" else None
+                workers.append(Worker(i, self._settings, ring))
+        except OSError as exc:
+            _stop_workers(workers)
+            if not may_fall_back or self._backend != "libaio":
+                raise
+            warnings.warn(f"ds_ops.aio: {exc}; using the thread-pool fallback", RuntimeWarning, stacklevel=3)
+            self._backend = "threads"
+            return self._start_workers(False)
+        except BaseException:
+            _stop_workers(workers)
+            raise
+        return workers
+
+    # -- settings ---------------------------------------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._settings.block_size
+
+    def get_queue_depth(self) -> int:
+        return self._settings.queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._settings.single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._settings.overlap_events
+
+    def get_thread_count(self) -> int:
+        return self._thread_count
+
+    get_intra_op_parallelism = get_thread_count
+
+    def get_backend(self) -> str:
+        """"libaio" or "threads" (the fallback)."""
+        return self._backend
+
+    def get_last_io_mode(self) -> str | None:
+        """"direct" (O_DIRECT), "direct-staged" (O_DIRECT through staging blocks) or "buffered" for the
+        most recent request; None before any."""
+        return self._last_mode
+
+    def io_mode_bytes(self) -> dict[str, int]:
+        """Bytes requested so far per mode: "direct", "direct-staged" and "buffered" (page cache)."""
+        with self._lock:
+            return dict(self._bytes)
+
+    # -- I/O --------------------------------------------------------------------------------------------
+    def sync_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Fill ``tensor`` with ``tensor.nbytes`` bytes of ``path`` from byte ``offset``; returns 1 (ops done)."""
+        return self._run(self._submit("sync_pread", tensor, path, offset, write=False))
+
+    def sync_pwrite(
+        self,
+        tensor: torch.Tensor,
+        path: str | os.PathLike,
+        offset: int = 0,
+        *,
+        whole_file: bool | None = None,
+        fsync: bool = False,
+    ) -> int:
+        """Write ``tensor``'s bytes to ``path`` at ``offset``; returns 1 (ops done).
+
+        ``whole_file`` (default: ``offset == 0``) writes a temporary file renamed over ``path`` once complete,
+        so ``path`` afterwards holds exactly the tensor and is never seen half-written; otherwise the bytes
+        are written in place (the file is created if missing). ``fsync`` flushes before the rename.
+        """
+        return self._run(self._submit("sync_pwrite", tensor, path, offset, True, whole_file, fsync))
+
+    def async_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Start reading into ``tensor``; returns 0 at once. ``wait()`` completes it. Errors known up front raise."""
+        self._queue(self._submit("async_pread", tensor, path, offset, write=False))
+        return 0
+
+    def async_pwrite(
+        self,
+        tensor: torch.Tensor,
+        path: str | os.PathLike,
+        offset: int = 0,
+        *,
+        whole_file: bool | None = None,
+        fsync: bool = False,
+    ) -> int:
+        """Start writing ``tensor`` (see ``sync_pwrite``); returns 0 at once. Do not modify it before ``wait()``."""
+        self._queue(self._submit("async_pwrite", tensor, path, offset, True, whole_file, fsync))
+        return 0
+
+    def wait(self) -> int:
+        """Wait for every async request; return how many completed, or raise the first failure (in call order)."""
+        with self._lock:
+            ops, self._pending = self._pending, []
+        first: BaseException | None = None
+        for op in ops:
+            op.done.wait()
+            if op.error is not None and first is None:
+                first = op.error
+        if first is not None:
+            raise first
+        return len(ops)
+
+    def pending(self) -> int:
+        """Async requests started and not yet collected by ``wait()``."""
+        with self._lock:
+            return len(self._pending)
+
+    # -- DeepSpeed's other entry points ---------------------------------------------------------------------
+    def read(self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False) -> int:
+        return self.pread(tensor, path, validate, False)
+
+    def write(self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False) -> int:
+        return self.pwrite(tensor, path, validate, False)
+
+    def pread(self, tensor, path, validate: bool = False, async_op: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset)``; ``validate`` re-reads and compares."""
+        if async_op:
+            return self.async_pread(tensor, path, file_offset)
+        done = self.sync_pread(tensor, path, file_offset)
+        if validate:
+            self._validate("pread", tensor, path, file_offset)
+        return done
+
+    def pwrite(self, tensor, path, validate: bool = False, async_op: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset)``."""
+        if async_op:
+            return self.async_pwrite(tensor, path, file_offset)
+        done = self.sync_pwrite(tensor, path, file_offset)
+        if validate:
+            self._validate("pwrite", tensor, path, file_offset)
+        return done
+
+    def _validate(self, operation: str, tensor: torch.Tensor, path, offset: int) -> None:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            on_disk = f.read(tensor.numel() * tensor.element_size())
+        if on_disk != _memory_bytes(tensor):
+            raise AioError(operation, os.fspath(path), None, "validation failed: file bytes differ from the tensor")
+
+    # -- buffers ------------------------------------------------------------------------------------------
+    def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype | torch.Tensor) -> torch.Tensor:
+        """A page-aligned, locked (pinned with CUDA) 1-D tensor: direct I/O uses it without a bounce copy."""
+        return _memory.new_locked(numel, dtype)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
+        """Release a tensor from ``new_cpu_locked_tensor`` now."""
+        _memory.free_locked(tensor)
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish queued requests and release the I/O threads and io contexts. Pending errors stay for wait()."""
+        self._finalizer()
+
+    def __enter__(self) -> AsyncIOHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self._settings
+        return (
+            f"AsyncIOHandle(block_size={s.block_size}, queue_depth={s.queue_depth}, "
+            f"single_submit={s.single_submit}, overlap_events={s.overlap_events}, "
+            f"thread_count={self._thread_count}, backend={self._backend!r})"
+        )
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _submit(self, operation, tensor, path, offset, write, whole_file=None, fsync=False) -> Op:
+        if not self._finalizer.alive:
+            raise RuntimeError(f"aio {operation}: the handle is closed")
+        path = _check_path(operation, path)
+        _check_tensor(operation, path, tensor)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"aio {operation} of {path!r}: offset must be a non-negative int, got {offset!r}")
+        if whole_file is None:
+            whole_file = offset == 0
+        if write and whole_file and offset != 0:
+            raise ValueError(f"aio {operation} of {path!r}: whole_file=True needs offset 0, got {offset}")
+        nbytes = tensor.numel() * tensor.element_size()
+        req = _files.Request(operation, path, tensor.data_ptr(), nbytes, offset, self._settings.block_size,
+                             self._use_direct, self._stage_unaligned)
+        target = _files.open_write(req, whole_file, fsync) if write else _files.open_read(req)
+        op = Op(operation, write, tensor, req.address, nbytes, offset, target)
+        self._dispatch(op)
+        return op
+
+    def _dispatch(self, op: Op) -> None:
+        target: Target = op.target
+        with self._lock:
+            self._bytes[target.mode] += op.nbytes
+            self._last_mode = target.mode
+            first = self._next_worker
+            self._next_worker = (first + 1) % self._thread_count
+        ring_kind = "libaio" if self._backend == "libaio" and target.mode != "buffered" else "threads"
+        bounds = _split(op.nbytes, self._settings.block_size, self._thread_count)
+        op.chunks_left = len(bounds)
+        if not bounds:
+            op.chunks_left = 1
+            op.chunk_done()
+            return
+        for i, (start, end) in enumerate(bounds):
+            self._workers[(first + i) % self._thread_count].jobs.put(Chunk(op, start, end, ring_kind))
+
+    def _queue(self, op: Op) -> None:
+        with self._lock:
+            self._pending.append(op)
+
+    @staticmethod
+    def _run(op: Op) -> int:
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return 1
+
+
+def _split(nbytes: int, block_size: int, parts: int) -> list[tuple[int, int]]:
+    """Cut ``[0, nbytes)`` into at most ``parts`` contiguous ranges whose inner edges are block multiples."""
+    if nbytes == 0:
+        return []
+    blocks = -(-nbytes // block_size)
+    per = -(-blocks // parts) * block_size
+    return [(start, min(start + per, nbytes)) for start in range(0, nbytes, per)]
+
+
+def _check_path(operation: str, path: object) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"aio {operation}: path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path:
+        raise ValueError(f"aio {operation}: path is empty")
+    return path
+
+
+def _check_tensor(operation: str, path: str, tensor: object) -> None:
+    where = f"aio {operation} of {path!r}"
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{where}: the tensor is on {tensor.device}; only CPU tensors are supported (copy it first)")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{where}: the tensor layout {tensor.layout} is not supported (strided only)")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{where}: the tensor is not contiguous (strides {tuple(tensor.stride())}); use .contiguous()")
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if tensor.numel() and tensor.untyped_storage().nbytes() < needed:
+        raise ValueError(f"{where}: the tensor's storage was released (free_cpu_locked_tensor?)")
+
+
+def _memory_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
