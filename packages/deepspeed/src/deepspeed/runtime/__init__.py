@@ -1,0 +1,5 @@
+"""DeepSpeed's runtime: the training engine's pieces (learning-rate schedules, ...).
+
+Documented paths served by component packages (``deepspeed.runtime.config``, ``deepspeed.runtime.zero.config``)
+come from the import hooks in ``deepspeed._compat``; modules here are the meta-package's own.
+"""
