@@ -2,11 +2,43 @@
 
 Serves the documented DeepSpeed API and every documented module path (see ``deepspeed._compat_paths``)
 from the component packages (ds_config, ds_ops, ds_zero, ...).
+
+Top-level names are resolved on first use, so ``import deepspeed`` stays cheap: the ``deepspeed`` launcher
+imports this package and must start without paying for torch; its ranks import torch themselves.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from deepspeed import _compat
 from deepspeed.__about__ import __version__
 
 _compat.install()
 
-__all__ = ["__version__"]
+# public name -> (module, attribute or None for the module itself)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "comm": ("deepspeed.comm", None),
+    "init_distributed": ("deepspeed.comm.comm", "init_distributed"),
+    "log_dist": ("deepspeed.utils", "log_dist"),
+    "logger": ("deepspeed.utils", "logger"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'deepspeed' has no attribute '{name}'") from None
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,248 @@
+"""``DeepSpeedAccelerator``: the device-neutral interface DeepSpeed code and its clients program against.
+
+Device-specific parts are abstract; everything that torch already expresses per device type (RNG, dtypes,
+pinning, tensor placement) is implemented once here on top of ``torch.device`` and ``torch.get_device_module``.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class DeepSpeedAccelerator(abc.ABC):
+    """One device family (``cpu`` or ``cuda``). ``_name`` is the torch device type; ``_communication_backend_name``
+    the ``torch.distributed`` backend its ranks use."""
+
+    _name: str = ""
+    _communication_backend_name: str = ""
+    _compile_backend: str = "inductor"
+
+    # -- identity -----------------------------------------------------------------------------------------
+    def device_name(self, device_index: int | None = None) -> str:
+        """``"cuda"`` or ``"cuda:3"``: the torch device string for ``device_index`` (the type when None)."""
+        return self._name if device_index is None else f"{self._name}:{device_index}"
+
+    def device(self, device_index: int | None = None) -> torch.device:
+        """The ``torch.device`` for ``device_index`` (the current device when None)."""
+        return torch.device(self._name, self.current_device() if device_index is None else device_index)
+
+    def current_device_name(self) -> str:
+        """The current device as a string, e.g. ``"cuda:0"``."""
+        return self.device_name(self.current_device())
+
+    def communication_backend_name(self) -> str:
+        """The ``torch.distributed`` backend for this device family (``gloo`` on CPU, ``nccl`` on CUDA)."""
+        return self._communication_backend_name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def is_synchronized_device(self) -> bool:
+        """True when kernels finish before the call returns (CPU): no stream synchronisation is needed."""
+        return False
+
+    def use_host_timers(self) -> bool:
+        """Whether wall-clock timers on the host measure device work (true for synchronized devices)."""
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
+
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
+
+    # -- device management (device specific) --------------------------------------------------------------
+    @abc.abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def current_device(self) -> int: ...
+
+    @abc.abstractmethod
+    def set_device(self, device_index: int) -> None: ...
+
+    @abc.abstractmethod
+    def synchronize(self, device_index: int | None = None) -> None: ...
+
+    # -- RNG ----------------------------------------------------------------------------------------------
+    def random(self):
+        """The ``torch.random`` module (seeding helpers shared by every device)."""
+        return torch.random
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generator of the current device (and the CPU one, which torch seeds alongside)."""
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Seed the generators of every device of this family."""
+        torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        torch.set_rng_state(new_state)
+
+    @property
+    def default_generator(self) -> Callable[[int], torch.Generator]:
+        """``default_generator(index)``: the default generator of device ``index``."""
+        return lambda index: torch.default_generator
+
+    # -- memory (device specific) -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def memory_allocated(self, device_index: int | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def max_memory_allocated(self, device_index: int | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def empty_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    def total_memory(self, device_index: int | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def available_memory(self, device_index: int | None = None) -> int: ...
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        self.reset_peak_memory_stats(device_index)
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return self.memory_allocated(device_index)
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return self.max_memory_allocated(device_index)
+
+    def memory_cached(self, device_index: int | None = None) -> int:
+        return self.memory_reserved(device_index)
+
+    def max_memory_cached(self, device_index: int | None = None) -> int:
+        return self.max_memory_reserved(device_index)
+
+    def reset_max_memory_cached(self, device_index: int | None = None) -> None:
+        self.reset_peak_memory_stats(device_index)
+
+    def memory_stats(self, device_index: int | None = None) -> dict[str, int]:
+        """The DeepSpeed-used subset of torch's memory statistics, in bytes."""
+        return {
+            "allocated_bytes.all.current": self.memory_allocated(device_index),
+            "allocated_bytes.all.peak": self.max_memory_allocated(device_index),
+            "reserved_bytes.all.current": self.memory_reserved(device_index),
+            "reserved_bytes.all.peak": self.max_memory_reserved(device_index),
+        }
+
+    # -- dtypes -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def is_bf16_supported(self) -> bool: ...
+
+    @abc.abstractmethod
+    def is_fp16_supported(self) -> bool: ...
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """Floating dtypes the device computes in: fp32 always, then fp16 / bf16 where supported."""
+        dtypes = [torch.float32]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        if self.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        return dtypes
+
+    def is_triton_supported(self) -> bool:
+        return False
+
+    def amp(self):
+        """The ``torch.<device>.amp`` module."""
+        return torch.get_device_module(self._name).amp
+
+    # -- streams and events -------------------------------------------------------------------------------
+    @property
+    def Stream(self):  # noqa: N802 - DeepSpeed's name: a class-valued attribute
+        return torch.get_device_module(self._name).Stream
+
+    @property
+    def Event(self):  # noqa: N802
+        return torch.get_device_module(self._name).Event
+
+    def stream(self, stream):
+        """Context manager making ``stream`` current."""
+        return torch.get_device_module(self._name).stream(stream)
+
+    def current_stream(self, device_index: int | None = None):
+        return torch.get_device_module(self._name).current_stream(device_index)
+
+    def default_stream(self, device_index: int | None = None):
+        return self.current_stream(device_index)
+
+    # -- tensors ------------------------------------------------------------------------------------------
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        """Page-locked copy of a host tensor (for fast async host-to-device copies); unchanged without one."""
+        return tensor.pin_memory() if torch.cuda.is_available() else tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return torch.cuda.is_available() and tensor.is_pinned()
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this device family."""
+        return tensor.device.type == self._name
+
+    # -- profiling ranges, lazy init, environment ---------------------------------------------------------
+    @abc.abstractmethod
+    def range_push(self, msg: str) -> None:
+        """Open a named profiler range (NVTX on CUDA, a torch.profiler record on CPU)."""
+
+    @abc.abstractmethod
+    def range_pop(self) -> None:
+        """Close the innermost profiler range."""
+
+    def lazy_call(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` once the device is initialised (immediately on CPU)."""
+        callback()
+
+    def visible_devices_envs(self) -> list[str]:
+        """Environment variables that restrict which devices a process sees."""
+        return []
+
+    def set_visible_devices_envs(self, current_env: dict[str, str], local_accelerator_ids: list[int]) -> None:
+        for env in self.visible_devices_envs():
+            current_env[env] = ",".join(map(str, local_accelerator_ids))
+
+    def export_envs(self) -> list[str]:
+        """Prefixes of environment variables the launcher forwards to every node."""
+        return []
+
+    def get_compile_backend(self) -> str:
+        return self._compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        """Choose the ``torch.compile`` backend; it must be registered with torch._dynamo."""
+        import torch._dynamo
+
+        supported = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in supported:
+            raise ValueError(
+                f"set_compile_backend: {backend!r} is not a torch.compile backend; choose from {supported}"
+            )
+        self._compile_backend = backend
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self._name!r}, backend={self._communication_backend_name!r})"
+
+
+def local_rank_from_env(default: int = 0) -> int:
+    """``LOCAL_RANK`` from the launcher environment (``default`` when unset)."""
+    return int(os.environ.get("LOCAL_RANK", default))
