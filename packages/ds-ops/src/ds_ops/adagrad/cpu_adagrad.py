@@ -1,0 +1,40 @@
+"""DeepSpeedCPUAdagrad: Adagrad on CPU tensors with the native SIMD + OpenMP kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ds_ops import _reference
+from ds_ops._cpu_optimizer import CPUOptimizer, Item
+from ds_ops.op_builder import CPUAdagradBuilder
+
+
+class DeepSpeedCPUAdagrad(CPUOptimizer):
+    """Adagrad (L2 weight decay, no lr decay) for params held in CPU memory.
+
+    The accumulator is stored as ``sum`` (``torch.optim.Adagrad``'s name, so state_dicts interoperate);
+    DeepSpeed's ``exp_avg_sq`` is accepted on load. Dtypes, the fused copy and the fallback work as in
+    :class:`~ds_ops.adam.DeepSpeedCPUAdam`.
+    """
+
+    STATE_NAMES = ("sum",)
+    STATE_ALIASES = {"exp_avg_sq": "sum"}
+    BUILDER = CPUAdagradBuilder
+    SYMBOL = "ds_cpu_adagrad_step"
+
+    def __init__(self, model_params: Iterable, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0,
+                 amsgrad: bool = False, fp32_optimizer_states: bool = True, *,
+                 allow_torch_fallback: bool | None = None) -> None:
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        super().__init__(model_params, defaults, fp32_optimizer_states, allow_torch_fallback)
+
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        if group.get("lr_decay", 0):
+            raise ValueError(f"DeepSpeedCPUAdagrad: lr_decay={group['lr_decay']!r} is not supported; expected 0")
+        return [group["lr"], group["eps"], group["weight_decay"]]
+
+    def _torch_update(self, group: dict[str, Any], items: list[Item]) -> None:
+        self._hyper(group)
+        _reference.adagrad_update([it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
+                                  lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])

@@ -1,0 +1,55 @@
+"""DeepSpeedCPUAdam: Adam/AdamW on CPU tensors with the native SIMD + OpenMP kernel."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from ds_ops import _reference
+from ds_ops._cpu_optimizer import CPUOptimizer, Item
+from ds_ops.op_builder import CPUAdamBuilder
+
+
+class DeepSpeedCPUAdam(CPUOptimizer):
+    """Adam (``adamw_mode=False``, L2 decay) or AdamW (decoupled decay) for params held in CPU memory.
+
+    Params may be float32, bfloat16 or float16; states are float32 unless ``fp32_optimizer_states=False``
+    (then they take the param dtype). State layout (``step``, ``exp_avg``, ``exp_avg_sq``) matches
+    ``torch.optim.Adam``/``AdamW``, so state_dicts load in either direction. ``step(fp16_param_groups=...)``
+    also writes the updated params into low-precision buffers in the same pass (ZeRO-Offload).
+    ``allow_torch_fallback`` (or ``DS_OPS_ALLOW_TORCH_FALLBACK=1``) permits a slower pure-torch update,
+    with a warning, when the native op cannot be built; otherwise construction raises ``OpBuildError``.
+    """
+
+    STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    BUILDER = CPUAdamBuilder
+    SYMBOL = "ds_cpu_adam_step"
+
+    def __init__(self, model_params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True, *,
+                 allow_torch_fallback: bool | None = None) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        amsgrad=amsgrad)
+        self.adam_w_mode = bool(adamw_mode)
+        super().__init__(model_params, defaults, fp32_optimizer_states, allow_torch_fallback)
+
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        beta1, beta2 = group["betas"]
+        return [group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(self.adam_w_mode)]
+
+    def _per_tensor(self, group: dict[str, Any], step: int) -> tuple[float, float]:
+        """(step size, 1/sqrt(bias correction 2)) for a tensor at 1-based ``step``."""
+        if not group["bias_correction"]:
+            return (group["lr"], 1.0)
+        beta1, beta2 = group["betas"]
+        return (group["lr"] / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step))
+
+    def _torch_update(self, group: dict[str, Any], items: list[Item]) -> None:
+        beta1, beta2 = group["betas"]
+        _reference.adam_update(
+            [it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
+            [it[2][1] for it in items], [it[4] for it in items], lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+            adamw_mode=self.adam_w_mode)
