@@ -40,7 +40,7 @@ class Net(nn.Module):
 
 @pytest.fixture
 def profiled(monkeypatch):
-    monkeypatch.setattr(counter_module, "time", FakeClock())
+    monkeypatch.setattr(counter_module, "_clock", FakeClock().perf_counter)
     torch.manual_seed(0)
     model = Net()
     prof = FlopsProfiler(model)

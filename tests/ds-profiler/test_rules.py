@@ -197,3 +197,21 @@ def test_native_multihead_attention_fast_path_matches_unfused_module(count):
     proj = 2 * 5 * 16 * 16 * 4
     attn = 2 * 4 * 5 * 5 * 2 * 4
     assert fused[0] == proj + attn
+
+
+def test_op_plans_are_cached_per_overload_and_free_ops_have_no_rule():
+    from ds_profiler._counter import plan_for
+
+    addmm, view = torch.ops.aten.addmm.default, torch.ops.aten.view.default
+    plan = plan_for(addmm)
+    assert plan_for(addmm) is plan
+    assert plan[0] is addmm and plan[2] is not None and plan[3] == "aten.addmm" and not plan[1]
+    assert plan_for(view)[2] is None  # a view costs nothing: the mode runs it without pricing
+    assert plan_for(torch.ops.aten.linear.default)[1]  # composite: decomposed when it arrives whole
+
+
+def test_repeated_forwards_count_the_same(count):
+    # The plan cache must not change what the second and later calls of an op cost.
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    assert count(model, x) == count(model, x) == (3 * 64, 2 * 3 * 64 + 3 * 8 + 5 * 3 * 8)

@@ -43,25 +43,37 @@ class OpStats:
     flops: int = 0
 
 
-def _in_backward() -> bool:
-    # Ops that the autograd engine runs (backward, and recomputation under activation checkpointing).
-    return torch._C._current_graph_task_id() != -1
+# The autograd engine's current graph task: -1 outside backward, so != -1 marks the ops the engine runs
+# (backward, and recomputation under activation checkpointing). Bound once: it is asked for every op.
+_graph_task_id = torch._C._current_graph_task_id
+_clock = time.perf_counter
 
 
-_COMPOSITE: dict[Any, bool] = {}
+# Per op overload, decided once: (overload, composite?, rule or None, op name, callable). Keyed by id()
+# because an OpOverload's __hash__ is Python code; the overload is kept in the plan and compared, so a
+# reused id (an overload of a deleted custom op library) is never mistaken for another op. The callable is
+# the overload's C++ op object when it has one (calling it skips OpOverload.__call__'s Python frame).
+Plan = tuple[Any, bool, Any, str, Callable]
+_PLANS: dict[int, Plan] = {}
 
 
-def _is_composite(func: Any) -> bool:
-    """Whether an op overload has a CompositeImplicitAutograd kernel (cached: asked for every op)."""
-    known = _COMPOSITE.get(func)
-    if known is None:
-        known = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd"
-        )
-    return known
+def plan_for(func: Any) -> Plan:
+    """The cached pricing plan of one aten overload."""
+    plan = _PLANS.get(id(func))
+    if plan is None or plan[0] is not func:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+        packet = func._overloadpacket
+        call = getattr(func, "_op", None)
+        plan = _PLANS[id(func)] = (func, composite, RULES.get(packet), str(packet), call if callable(call) else func)
+    return plan
 
 
-def _is_floating(tensor: Any) -> bool:
+def _floating_work(out: Any, args: tuple) -> bool:
+    """Whether an op is floating-point work, judged by its output's dtype (else its first input's): integer
+    and bool results (index arithmetic, masks) cost nothing."""
+    tensor = out if type(out) is torch.Tensor else first_tensor(out)
+    if tensor is None:
+        tensor = first_tensor(args)
     return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
 
 
@@ -70,7 +82,8 @@ class Recorder:
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.sync = sync
-        self.stack: list[list[Any]] = []  # frames: [module, macs, flops, start_time, ignored, grad_mark]
+        # frames: [module, macs, flops, start_time, ignored, grad_mark, stats]
+        self.stack: list[list[Any]] = []
         self.ignore_depth = 0
         self.modules: dict[nn.Module, ModuleStats] = {}
         self.forward_ops: dict[str, OpStats] = {}
@@ -87,31 +100,38 @@ class Recorder:
         self.backward_ops.clear()
         self.backward = OpStats()
 
-    def on_op(self, func: Any, rule: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+    def on_op(self, rule: Callable, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         """Price one aten call and book it to the running module (forward) or to backward."""
-        backward = _in_backward()
-        owner = self.grad_owners.running_owner() if backward else None
-        if backward and owner == ():
-            return  # the backward of an ignored module
-        if not backward and (not self.stack or self.ignore_depth):
+        if _graph_task_id() != -1:
+            self._on_backward_op(rule, name, args, kwargs, out)
+            return
+        stack = self.stack
+        if not stack or self.ignore_depth:
             return  # outside the model's forward, or inside an ignored module
-        tensor = first_tensor(out)
-        if not _is_floating(tensor if tensor is not None else first_tensor(args)):
+        if not _floating_work(out, args):
             return  # integer/bool arithmetic (index math, masks) is not floating-point work
         macs, flops = rule(args, kwargs, out)
-        name = str(func._overloadpacket)
-        table = self.backward_ops if backward else self.forward_ops
-        entry = table.get(name)
+        frame = stack[-1]
+        frame[1] += macs
+        frame[2] += flops
+        entry = self.forward_ops.get(name)
         if entry is None:
-            entry = table[name] = OpStats()
+            entry = self.forward_ops[name] = OpStats()
         entry.calls += 1
         entry.macs += macs
         entry.flops += flops
-        if not backward:
-            frame = self.stack[-1]
-            frame[1] += macs
-            frame[2] += flops
-            return
+
+    def _on_backward_op(self, rule: Callable, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        owner = self.grad_owners.running_owner()
+        if owner == () or not _floating_work(out, args):
+            return  # the backward of an ignored module, or integer work
+        macs, flops = rule(args, kwargs, out)
+        entry = self.backward_ops.get(name)
+        if entry is None:
+            entry = self.backward_ops[name] = OpStats()
+        entry.calls += 1
+        entry.macs += macs
+        entry.flops += flops
         self.backward.calls += 1
         self.backward.macs += macs
         self.backward.flops += flops
@@ -120,44 +140,51 @@ class Recorder:
             stats.backward_macs += macs
             stats.backward_flops += flops
 
-    def _now(self) -> float:
-        if self.sync is not None:
-            self.sync()
-        return time.perf_counter()
-
     def pre_hook(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: push a frame for ``module``."""
-        if _in_backward():
+        if _graph_task_id() != -1:
             return
-        ignored = self.modules[module].ignored
-        self.ignore_depth += ignored
-        self.stack.append([module, 0, 0, self._now(), ignored, sequence_mark()])
+        stats = self.modules[module]
+        if stats.ignored:
+            self.ignore_depth += 1
+        mark = sequence_mark()
+        if self.sync is not None:
+            self.sync()
+        self.stack.append([module, 0, 0, _clock(), stats.ignored, mark, stats])
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook (also run when forward raises): pop the frame, book it, hand its cost to the caller."""
-        if _in_backward():
+        if _graph_task_id() != -1:
             return
-        end = self._now()
-        depth = next((i for i in range(len(self.stack) - 1, -1, -1) if self.stack[i][0] is module), None)
-        if depth is None:
-            return  # no frame: profiling started while this module was already running
-        while len(self.stack) > depth:  # frames above it belong to calls that never returned normally
-            frame = self.stack.pop()
-            self.ignore_depth -= frame[4]
-        stats = self.modules[module]
+        if self.sync is not None:
+            self.sync()
+        end = _clock()
+        stack = self.stack
+        if stack and stack[-1][0] is module:  # the normal case: the innermost frame is this call's
+            frame = stack.pop()
+            if frame[4]:
+                self.ignore_depth -= 1
+        else:
+            depth = next((i for i in range(len(stack) - 1, -1, -1) if stack[i][0] is module), None)
+            if depth is None:
+                return  # no frame: profiling started while this module was already running
+            while len(stack) > depth:  # frames above it belong to calls that never returned normally
+                frame = stack.pop()
+                self.ignore_depth -= frame[4]
+        stats = frame[6]
         stats.calls += 1
         stats.macs += frame[1]
         stats.flops += frame[2]
         stats.duration += end - frame[3]
-        if self.stack:
-            self.stack[-1][1] += frame[1]
-            self.stack[-1][2] += frame[2]
+        if stack:
+            stack[-1][1] += frame[1]
+            stack[-1][2] += frame[2]
         if frame[5] is not None:
             chain = tuple(f[0] for f in self.stack) + (module,)
             ignored_chain = any(f[4] for f in self.stack) or frame[4]
-            walk_start = time.perf_counter()
+            walk_start = _clock()
             self.grad_owners.tag(output, frame[5], () if ignored_chain else chain)
-            spent = time.perf_counter() - walk_start
+            spent = _clock() - walk_start
             for caller in self.stack:  # the walk is profiler overhead, not the callers' latency
                 caller[3] += spent
 
@@ -176,19 +203,22 @@ class CountingMode(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if _is_composite(func):
+        # The hot path of the profiler: every aten op of the model comes through here. Free ops (views,
+        # copies, indexing: most of a transformer's ops) cost one dict lookup on top of torch's own work.
+        plan = _PLANS.get(id(func))
+        if plan is None or plan[0] is not func:
+            plan = plan_for(func)
+        if plan[1]:
             # Composite ops (linear, matmul, layer_norm, ...) normally decompose above this mode; under
             # inference_mode they arrive whole. Decompose them here, with the mode on, so their parts are
             # priced exactly as in every other mode.
             with self:
-                out = func.decompose(*args, **kwargs)
+                out = func.decompose(*args, **(kwargs or {}))
             if out is not NotImplemented:
                 return out
-        out = func(*args, **kwargs)
-        rule = RULES.get(func._overloadpacket)
-        if rule is not None:
-            self.recorder.on_op(func, rule, args, kwargs, out)
+        out = plan[4](*args, **kwargs) if kwargs else plan[4](*args)
+        if plan[2] is not None:
+            self.recorder.on_op(plan[2], plan[3], args, kwargs or {}, out)
         return out
 
 

@@ -21,9 +21,12 @@ _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _UNOWNED = 2**63
 
 
+_grad_enabled = torch.is_grad_enabled
+
+
 def sequence_mark() -> int | None:
     """The autograd sequence counter now, or None when no graph is being recorded (or torch lacks it)."""
-    if _get_sequence_nr is None or not torch.is_grad_enabled():
+    if _get_sequence_nr is None or not _grad_enabled():
         return None
     return _get_sequence_nr()
 
