@@ -1,4 +1,4 @@
-"""Inference: init_inference, the InferenceEngine, tensor-parallel inference and weight quantization, configured by DeepSpeedInferenceConfig."""
+"""Inference: init_inference, the InferenceEngine, tensor-parallel inference and weight quantization."""
 
 from ds_inference.__about__ import __version__
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: ProcessTopology, PipelineModule/LayerSpec/TiedLayerSpec, the pipeline schedules and the pipeline engine."""
+"""Pipeline parallelism: ProcessTopology, PipelineModule/LayerSpec, the pipeline schedules and engine."""
 
 from ds_pipe.__about__ import __version__
 
