@@ -1,0 +1,128 @@
+"""``load_checkpoint``: restore an :class:`EngineState` from ``<load_dir>/<tag>/`` (tag default: ``latest``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
+from deepspeed.runtime.checkpointing._errors import CheckpointError, CorruptCheckpointError
+from deepspeed.runtime.checkpointing._layout import LATEST_FILE, model_states_name, read_latest, validate_tag
+from deepspeed.runtime.checkpointing._serialize import load_file
+from deepspeed.runtime.checkpointing._state import EngineState, ShardContext
+from deepspeed.runtime.checkpointing._sync import check_same_call, open_meeting
+from deepspeed.runtime.checkpointing._tags import validate_tags
+from deepspeed.utils.logging import logger
+
+_OP = "load_checkpoint"
+# keys the engine consumes; the rest of the file comes back as client state (as in DeepSpeed)
+_ENGINE_KEYS = ("module", "sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size",
+                "mp_world_size", "data_sampler", "random_ltd", "micro_steps")
+_REQUIRED_KEYS = ("module", "global_steps", "skipped_steps")
+
+
+def _resolve_tag(load_dir: str, tag: object) -> str | None:
+    if tag is not None:
+        return validate_tag(tag)
+    latest = read_latest(load_dir)
+    if latest is None:
+        logger.warning(
+            f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load latest "
+            "checkpoint please ensure this file exists or pass an explicit checkpoint tag when loading a checkpoint."
+        )
+        return None
+    return validate_tag(latest)
+
+
+def _load_module(state: EngineState, weights: dict[str, Any], strict: bool, custom_load_fn: Callable | None,
+                 path: str) -> None:
+    if custom_load_fn is not None:
+        custom_load_fn(src=weights, dst=state.module)
+        return
+    try:
+        state.module.load_state_dict(weights, strict=strict)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: the saved module weights do not fit the model: {exc}") from exc
+
+
+def _restore_training_state(state: EngineState, checkpoint: dict[str, Any], load_optimizer_states: bool,
+                            load_lr_scheduler_states: bool, path: str) -> None:
+    if load_optimizer_states and state.optimizer is not None and not state.optimizer_in_shards():
+        if checkpoint.get("optimizer") is None:
+            logger.warning(f"{path} holds no optimizer state; the optimizer keeps its current state")
+        else:
+            state.optimizer.load_state_dict(checkpoint["optimizer"])
+    if load_lr_scheduler_states and state.lr_scheduler is not None and checkpoint.get("lr_scheduler") is not None:
+        state.lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+    counters = state.counters
+    counters.global_steps = int(checkpoint["global_steps"])
+    batch = state.ds_config.get("train_batch_size")
+    batch = batch if isinstance(batch, int) else 0  # absent or "auto": no way to rebuild the sample count
+    counters.global_samples = int(checkpoint.get("global_samples", counters.global_steps * batch))
+    counters.skipped_steps = int(checkpoint["skipped_steps"])
+    if "micro_steps" in checkpoint:  # files written by DeepSpeed itself lack it; DeepSpeed leaves the counter
+        counters.micro_steps = int(checkpoint["micro_steps"])
+
+
+def _read_model_states(state: EngineState, path: str) -> dict[str, Any]:
+    checkpoint = load_file(path, trusted=state.trusted_load)
+    if not isinstance(checkpoint, dict):
+        raise CorruptCheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a DeepSpeed model-states dict")
+    missing = [key for key in _REQUIRED_KEYS if key not in checkpoint]
+    if missing:
+        raise CorruptCheckpointError(f"{path} is not a DeepSpeed model-states file: keys {missing} are missing "
+                                     f"(found {sorted(checkpoint)[:12]})")
+    return checkpoint
+
+
+def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: object = None,
+                    load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    custom_load_fn: Callable[..., Any] | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """Load ``<load_dir>/<tag>/mp_rank_XX_model_states.pt`` (and extension shards) into ``state``.
+
+    Returns ``(path of the model-states file, client_state)``; ``(None, None)`` with a warning when there is no
+    ``latest`` file (and no tag) or the file does not exist. ``load_module_only`` restores the weights alone;
+    ``custom_load_fn(src=state_dict, dst=module)`` replaces ``module.load_state_dict``. Collective like saving.
+    ``state``: an :class:`EngineState`, or an engine (its counters are updated in place).
+    """
+    state = as_engine_state(state)
+    if state.checkpoint_config.load_universal:
+        raise CheckpointError(
+            "checkpoint.load_universal=true: loading a Universal Checkpoint (the ds_to_universal.py format) is not "
+            "supported by this implementation; set checkpoint.load_universal to false and load a checkpoint saved "
+            "with the same parallel layout"
+        )
+    load_dir = os.fspath(load_dir)
+    tag = _resolve_tag(load_dir, tag)
+    if tag is None:
+        return None, None
+    meeting = open_meeting(_OP, state.sync)
+    if meeting is not None:
+        arrivals = meeting.exchange("arrive", f"{_OP}|{tag}", f"call {_OP} (tag {tag!r})")
+        tags = check_same_call(_OP, arrivals, meeting.rank)
+        validate_tags(tags, state.checkpoint_config.tag_validation, meeting.rank)
+    tag_dir = os.path.join(load_dir, tag)
+    path = os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
+    if not os.path.isfile(path):
+        logger.warning(f"Client provided checkpoint load path: {path} does not exist ... skip checkpoint load")
+        return None, None
+    checkpoint = _read_model_states(state, path)
+    if not state.module_in_shards():
+        _load_module(state, checkpoint["module"], load_module_strict, custom_load_fn, path)
+    consumed = ["module"]
+    if not load_module_only:
+        _restore_training_state(state, checkpoint, load_optimizer_states, load_lr_scheduler_states, path)
+        consumed = list(_ENGINE_KEYS)
+    ctx = ShardContext(tag_dir=tag_dir, parallel=state.parallel, config=state.checkpoint_config,
+                       load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                       load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
+    for shard in state.shards:
+        shard.load_files(ctx, lambda name: load_file(os.path.join(tag_dir, name), trusted=state.trusted_load))
+    if load_lr_scheduler_states:
+        consumed.append("lr_scheduler")
+    if load_optimizer_states:
+        consumed.append("optimizer")
+    return path, {key: value for key, value in checkpoint.items() if key not in consumed}
+

@@ -1,0 +1,62 @@
+"""Pipeline layer files: ``layer_XX-model_YY-model_states.pt``, one per layer, written in parallel on request.
+
+A pipeline stage keeps its weights per layer (so a checkpoint can be re-partitioned into different stages)
+instead of in the model-states file. With ``checkpoint.parallel_write.pipeline_stage`` the stage's layers are
+spread over its data-parallel ranks, each writing a contiguous run; without it data-parallel rank 0 writes
+all of them. Every rank of the stage reads all of its layers back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deepspeed.runtime.checkpointing._errors import CheckpointError
+from deepspeed.runtime.checkpointing._layout import layer_states_name, pipeline_layer_range
+from deepspeed.runtime.checkpointing._serialize import module_state_dict
+from deepspeed.runtime.checkpointing._state import ShardContext
+
+
+class PipelineLayerShards:
+    """A :class:`CheckpointShards` extension for one pipeline stage.
+
+    ``layers``: ``(global layer index, layer module)`` for the stage's layers that hold state (DeepSpeed skips
+    parameter-free layers), in order.
+    """
+
+    owns_optimizer_state = False
+    owns_module_state = True
+
+    def __init__(self, layers: Sequence[tuple[int, torch.nn.Module]]) -> None:
+        indices = [index for index, _ in layers]
+        if len(set(indices)) != len(indices) or any(index < 0 for index in indices):
+            raise ValueError(f"PipelineLayerShards: layer indices must be distinct and >= 0, got {indices}")
+        self.layers = list(layers)
+
+    def model_state_extras(self) -> Mapping[str, Any]:
+        return {}
+
+    def files_to_save(self, ctx: ShardContext) -> Mapping[str, Any]:
+        """This rank's run of layers (all of them on data-parallel rank 0 without parallel writes)."""
+        mine = pipeline_layer_range(len(self.layers), ctx.parallel.dp_rank, ctx.parallel.dp_world_size,
+                                    ctx.config.parallel_write.pipeline_stage)
+        return {
+            layer_states_name(index, ctx.parallel.mp_rank): module_state_dict(layer, ctx.exclude_frozen_parameters)
+            for index, layer in self.layers[mine.start:mine.stop]
+        }
+
+    def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
+        """Every layer of the stage, with ``load_module_strict`` / ``custom_load_fn`` as for a whole module."""
+        for index, layer in self.layers:
+            name = layer_states_name(index, ctx.parallel.mp_rank)
+            weights = load(name)
+            if ctx.custom_load_fn is not None:
+                ctx.custom_load_fn(src=weights, dst=layer)
+                continue
+            try:
+                layer.load_state_dict(weights, strict=ctx.load_module_strict)
+            except RuntimeError as exc:
+                raise CheckpointError(f"{ctx.tag_dir}/{name}: the saved weights do not fit layer {index}: "
+                                      f"{exc}") from exc

@@ -1,0 +1,158 @@
+"""Meeting points for collective checkpoint calls, held in the process group's key-value store.
+
+Why the store and not a barrier: a checkpoint call that only some ranks make (``save_checkpoint`` under
+``if rank == 0``) must fail fast, naming the ranks that never came, instead of hanging. Each rank posts a key
+``ds_ckpt/<group>/<round>/<phase>/<rank>`` and polls until every rank's key exists or the timeout passes;
+then it knows exactly who is missing. Unlike ``dist.monitored_barrier`` this works with every backend (NCCL
+included, with no extra gloo group), every rank (not only rank 0) learns who is missing, a timed-out wait
+leaves no half-matched send/recv pairs or collective sequence numbers behind to corrupt the next collective,
+and the same keys carry each rank's tag (tag validation) and write status for free.
+
+Rounds are numbered per process group in each process, so the n-th checkpoint call of every rank meets the
+n-th of the others. A round whose first meeting times out is rolled back, so a rank-0-only call leaves the
+numbering intact for the next correct call. Each rank deletes its previous round's keys once everybody has
+arrived at the next round (by then all ranks are done reading them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from deepspeed.runtime.checkpointing._errors import CheckpointError, CheckpointSyncError
+from deepspeed.runtime.checkpointing._state import SyncOptions
+
+_PREFIX = "ds_ckpt"
+# per process group: (next round number, the keys this process posted in the last completed round)
+_rounds: weakref.WeakKeyDictionary[Any, tuple[int, list[str]]] = weakref.WeakKeyDictionary()
+
+
+def resolve_timeout_s(sync: SyncOptions) -> float:
+    """``SyncOptions.timeout_s``, else ``DS_CHECKPOINT_TIMEOUT`` (seconds), else the process-group timeout."""
+    if sync.timeout_s is not None:
+        value, source = sync.timeout_s, "SyncOptions.timeout_s"
+    elif os.environ.get("DS_CHECKPOINT_TIMEOUT"):
+        raw = os.environ["DS_CHECKPOINT_TIMEOUT"]
+        try:
+            value, source = float(raw), "DS_CHECKPOINT_TIMEOUT"
+        except ValueError:
+            raise ValueError(f"DS_CHECKPOINT_TIMEOUT={raw!r} must be a number of seconds") from None
+    else:
+        from deepspeed.comm.comm import default_pg_timeout
+
+        value, source = default_pg_timeout.total_seconds(), "deepspeed.comm.default_pg_timeout"
+    if not value > 0:
+        raise ValueError(f"{source}={value!r}: the checkpoint sync timeout must be a positive number of seconds")
+    return float(value)
+
+
+def _default_store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()  # no public accessor exists; see SyncOptions.store
+    except Exception as exc:
+        raise CheckpointError(
+            "checkpoint sync: cannot reach the default process group's store; pass SyncOptions(store=...)"
+        ) from exc
+
+
+class Meeting:
+    """The meeting points of one collective checkpoint call (``op``: "save_checkpoint", ...)."""
+
+    def __init__(self, op: str, sync: SyncOptions) -> None:
+        self.op = op
+        self.timeout_s = resolve_timeout_s(sync)
+        self._group = sync.group if sync.group is not None else dist.group.WORLD
+        self.ranks: list[int] = sorted(dist.get_process_group_ranks(self._group))
+        self.rank = dist.get_rank()
+        self._store = sync.store if sync.store is not None else _default_store()
+        group_id = hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:12]
+        self._round, self._stale = _rounds.get(self._group, (0, []))
+        _rounds[self._group] = (self._round + 1, self._stale)
+        self._base = f"{_PREFIX}/{group_id}/{self._round}"
+        self._posted: list[str] = []
+        self._arrived = False
+
+    def _key(self, phase: str, rank: int) -> str:
+        return f"{self._base}/{phase}/{rank}"
+
+    def exchange(self, phase: str, value: str, waiting_for: str) -> dict[int, str]:
+        """Post ``value``, wait for every rank's, return them by global rank.
+
+        ``waiting_for`` completes the timeout message: "ranks [1] did not <waiting_for> within 30 s".
+        """
+        mine = self._key(phase, self.rank)
+        self._store.set(mine, value)
+        self._posted.append(mine)
+        keys = [self._key(phase, rank) for rank in self.ranks]
+        missing = self._wait(keys)
+        if missing:
+            self._fail(missing, waiting_for)
+        if not self._arrived:
+            self._arrived = True
+            self._forget_stale()
+        _rounds[self._group] = (self._round + 1, self._posted)
+        return dict(zip(self.ranks, self._values(keys), strict=True))
+
+    def _wait(self, keys: Sequence[str]) -> list[int]:
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.001
+        while not self._store.check(list(keys)):
+            if time.monotonic() >= deadline:
+                return [rank for rank, key in zip(self.ranks, keys, strict=True) if not self._store.check([key])]
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)  # quick for the common case, gentle on the store when one rank is slow
+        return []
+
+    def _values(self, keys: list[str]) -> list[str]:
+        getter = getattr(self._store, "multi_get", None)
+        raw = getter(keys) if getter is not None else [self._store.get(key) for key in keys]
+        return [item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in raw]
+
+    def _fail(self, missing: list[int], waiting_for: str) -> None:
+        arrived = [rank for rank in self.ranks if rank not in missing]
+        if not self._arrived:
+            # roll the round back so a later, correct call of every rank still meets at the same round
+            for key in self._posted:
+                self._store.delete_key(key)
+            _rounds[self._group] = (self._round, self._stale)
+        raise CheckpointSyncError(
+            f"{self.op} on rank {self.rank}: ranks {missing} did not {waiting_for} within {self.timeout_s:g} s "
+            f"(ranks {arrived} did). {self.op} is collective: every rank of the group must call it, not only "
+            "rank 0"
+        )
+
+    def _forget_stale(self) -> None:
+        for key in self._stale:
+            self._store.delete_key(key)
+
+
+def open_meeting(op: str, sync: SyncOptions) -> Meeting | None:
+    """A :class:`Meeting` for ``op``, or None when there is nobody to meet (no process group, or one rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = sync.group if sync.group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return None
+    return Meeting(op, sync)
+
+
+def check_same_call(op: str, arrivals: dict[int, str], rank: int) -> dict[int, str]:
+    """Split ``"<op>|<tag>"`` arrivals; raise if some rank made a different checkpoint call. Returns tags."""
+    calls: dict[str, list[int]] = {}
+    tags: dict[int, str] = {}
+    for peer, value in arrivals.items():
+        peer_op, _, tag = value.partition("|")
+        calls.setdefault(peer_op, []).append(peer)
+        tags[peer] = tag
+    if len(calls) > 1:
+        detail = "; ".join(f"{name} on ranks {peers}" for name, peers in sorted(calls.items()))
+        raise CheckpointSyncError(f"{op} on rank {rank}: ranks made different checkpoint calls at once: {detail}")
+    return tags
