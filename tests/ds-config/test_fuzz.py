@@ -6,6 +6,7 @@ import copy
 import os
 import warnings
 
+from _ds_config_testing import key_paths, schema_property_names
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,19 +36,6 @@ OPEN = ("optimizer.params",)  # documented as an open mapping: unknown keys pass
 # DS_FUZZ_EXAMPLES=2000 runs a longer search locally; CI keeps the default short.
 FAST = settings(max_examples=int(os.environ.get("DS_FUZZ_EXAMPLES", "60")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
-
-
-def _paths(node: object, prefix: tuple = ()) -> list[tuple]:
-    out = []
-    if isinstance(node, dict):
-        for key, value in node.items():
-            out.append(prefix + (key,))
-            out.extend(_paths(value, prefix + (key,)))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            out.append(prefix + (i,))
-            out.extend(_paths(value, prefix + (i,)))
-    return out
 
 
 def _dicts(node: object, prefix: tuple = ()) -> list[tuple]:
@@ -90,7 +78,7 @@ JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floa
 
 
 @FAST
-@given(st.sampled_from(_paths(BASE)), JUNK)
+@given(st.sampled_from(list(key_paths(BASE))), JUNK)
 def test_random_values_never_crash(path, junk):
     try:
         _load(_set(BASE, path, junk))
@@ -100,7 +88,7 @@ def test_random_values_never_crash(path, junk):
 
 
 @FAST
-@given(st.sampled_from(_paths(BASE)),
+@given(st.sampled_from(list(key_paths(BASE))),
        st.one_of(st.lists(st.fixed_dictionaries({"zz": st.integers()}), min_size=1, max_size=2),
                  st.dictionaries(st.sampled_from(["zz", "qq"]), st.integers(), min_size=1)))
 def test_wrong_container_types_fail_at_their_path(path, junk):
@@ -176,19 +164,7 @@ def test_out_of_range_numbers_name_their_key(dotted, data):
 
 
 def _all_keys() -> list[str]:
-    keys: set[str] = set()
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            keys.update(k for k in (node.get("properties") or {}) if not k.startswith("$"))
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(config_schema())
-    return sorted(keys)
+    return sorted(k for k in schema_property_names(config_schema()) if not k.startswith("$"))
 
 
 SECTIONS = sorted(k for k in DeepSpeedConfig.known_keys() if not k.startswith("$"))

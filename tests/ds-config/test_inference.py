@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from _ds_config_testing import config_error
 
 from ds_config._base import DeprecatedConfigWarning, validate_section
 from ds_config._errors import ConfigError
@@ -25,11 +26,7 @@ def infer(data) -> DeepSpeedInferenceConfig:
 
 
 def error(data) -> ConfigError:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecatedConfigWarning)
-        with pytest.raises(ConfigError) as info:
-            infer(data)
-    return info.value
+    return config_error(infer, data)
 
 
 def test_documented_example():

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _ds_config_testing import JUNK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -258,8 +259,6 @@ def test_import_ds_config_does_not_import_yaml():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True), st.text(max_size=8),
-                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
 ANY_KEY = st.one_of(st.sampled_from(sorted(KEYS)), st.sampled_from(["num-layers", "DDP-impl", "master-port"]),
                     st.text(min_size=1, max_size=10))
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from hypothesis import HealthCheck, given, settings
+from _ds_config_testing import CORRUPTION_SETTINGS, assert_corruption_is_a_config_error
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ds_config._base import validate_section
@@ -184,30 +183,7 @@ def test_bad_values_name_key(key, value):
 
 # ---------------------------------------------------------------- property-based: corrupt the example anywhere
 
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True), st.text(max_size=8),
-                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
-
-
-def _key_paths(node, prefix=()):
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
-        yield prefix + (key,)
-        yield from _key_paths(value, prefix + (key,))
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@CORRUPTION_SETTINGS
 @given(data=st.data())
 def test_random_corruption_is_a_config_error_with_a_path(data):
-    config = copy.deepcopy(REFERENCE_EXAMPLE)
-    for _ in range(data.draw(st.integers(1, 3))):
-        *parents, leaf = data.draw(st.sampled_from(list(_key_paths(config)) or [("x",)]))
-        node = config
-        for part in parents:
-            node = node[part]
-        if isinstance(node, dict) and data.draw(st.booleans()):
-            leaf = f"{leaf}_typo"  # an unknown key next to a known one
-        node[leaf] = data.draw(JUNK)
-    try:
-        parse(config)
-    except ConfigError as err:
-        assert err.paths and all(p.startswith("sparse_attention") for p in err.paths)
+    assert_corruption_is_a_config_error(data, REFERENCE_EXAMPLE, parse, "sparse_attention")

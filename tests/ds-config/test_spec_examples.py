@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _ds_config_testing import schema_property_names
 
 from ds_config import (
     ConfigError,
@@ -257,24 +258,7 @@ def test_every_documented_key_is_known():
     assert sorted(documented - SCHEMA_KEYS) == []
 
 
-def _schema_keys() -> set[str]:
-    keys: set[str] = set()
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            keys.update((node.get("properties") or {}).keys())
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(config_schema())
-    walk(DeepSpeedInferenceConfig.model_json_schema())
-    return keys
-
-
-SCHEMA_KEYS = _schema_keys()
+SCHEMA_KEYS = schema_property_names(config_schema(), DeepSpeedInferenceConfig.model_json_schema())
 
 
 def dump_damage(example: Example, data: dict, err: ConfigError) -> str | None:

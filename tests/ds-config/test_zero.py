@@ -7,6 +7,7 @@ import sys
 import warnings
 
 import pytest
+from _ds_config_testing import config_error
 
 from ds_config._base import DeprecatedConfigWarning, UnknownConfigKeyWarning, validate_section
 from ds_config._errors import ConfigError
@@ -27,11 +28,7 @@ def zero(data, **kw) -> DeepSpeedZeroConfig:
 
 
 def error(data) -> ConfigError:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecatedConfigWarning)
-        with pytest.raises(ConfigError) as info:
-            zero(data)
-    return info.value
+    return config_error(zero, data)
 
 
 # -- aliases, "auto", numbers -------------------------------------------------------------------------

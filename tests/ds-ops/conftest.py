@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Lets test modules import _ds_ops_optim_helpers (pytest runs with --import-mode=importlib).
+# Lets test modules import _ds_ops_optim_helpers and _ds_ops_aio_fixtures (pytest runs with --import-mode=importlib).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _BUILD_SCRIPT = textwrap.dedent(

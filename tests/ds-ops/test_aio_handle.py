@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
-import sys
 import threading
 import time
 import types
 
+import _ds_ops_aio_fixtures as fx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -17,18 +15,6 @@ from hypothesis import strategies as st
 
 from ds_ops.aio import AsyncIOHandle, _rings
 
-
-def _fixtures():
-    name = "ds_ops_aio_test_fixtures"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name("_aio_fixtures.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fx = _fixtures()
 backend = fx.backend
 make_handle = fx.make_handle
 

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
-import sys
 
+import _ds_ops_aio_fixtures as fx
 import pytest
 import torch
 
 from ds_ops.aio import AioError, AsyncIOBuilder, AsyncIOHandle, aio_handle, swap
 
-
-def _fixtures():
-    name = "ds_ops_aio_test_fixtures"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name("_aio_fixtures.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fx = _fixtures()
 backend = fx.backend
 make_handle = fx.make_handle
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.adam import adam as _torch_adam
 
 from ds_ops import _reference
+from ds_ops._fused_common import FusedOptimizer
 from ds_ops._validate import check_group
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(FusedOptimizer):
     """DeepSpeed's FusedAdam: one fused launch per (device, dtype) for all params of a group.
 
     With ``bias_correction=True`` it calls torch's fused Adam/AdamW kernel (``torch._fused_adam(w)_``
@@ -20,6 +21,11 @@ class FusedAdam(torch.optim.Optimizer):
     ``exp_avg_sq`` in the param dtype) is exactly torch.optim.Adam's. ``bias_correction=False`` (which
     torch's kernel lacks) runs the multi-tensor ``torch._foreach_*`` update instead.
     """
+
+    NAME = "FusedAdam"
+    STATES = ("exp_avg", "exp_avg_sq")
+    TENSOR_STEP = True
+    SPARSE_HINT = "; use torch.optim.SparseAdam"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
@@ -31,37 +37,11 @@ class FusedAdam(torch.optim.Optimizer):
         self.adam_w_mode = bool(adam_w_mode)
         self.set_grad_none = bool(set_grad_none)
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Drop grads (``set_grad_none=True``, the default) or zero them in place."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step_groups(self) -> None:
         for group in self.param_groups:
-            check_group("FusedAdam", group)
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("FusedAdam does not support sparse gradients; use torch.optim.SparseAdam")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-            if params:
-                self._update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
-        return loss
+            b = self._gather(group)
+            if b.params:
+                self._update(group, b.params, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], b.steps)
 
     def _update(self, group: dict[str, Any], params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
                 steps: list) -> None:

@@ -28,35 +28,7 @@ inline void adam_block(P* p, const G* g, S* m, S* v, C* c, bool nt, const AdamCo
   store(p, param);
   store(m, exp_avg);
   store(v, exp_avg_sq);
-  if (c) {
-    if (nt) {
-      store_stream(c, param);
-    } else {
-      store(c, param);
-    }
-  }
-}
-
-template <class P, class G, class S, class C>
-void adam_range(P* p, const G* g, S* m, S* v, C* c, int64_t n, const AdamConsts& k) {
-  const bool nt = can_stream(c);
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) adam_block(p + i, g + i, m + i, v + i, c ? c + i : nullptr, nt, k);
-  if (nt) stream_fence();
-  if (i == n) return;
-  Tail<P> tp(p + i, n - i);
-  Tail<G> tg(const_cast<G*>(g + i), n - i);
-  Tail<S> tm(m + i, n - i), tv(v + i, n - i);
-  if (c) {
-    Tail<C> tc(c + i, n - i);
-    adam_block(tp.buf, tg.buf, tm.buf, tv.buf, tc.buf, false, k);
-    tc.flush();
-  } else {
-    adam_block(tp.buf, tg.buf, tm.buf, tv.buf, static_cast<C*>(nullptr), false, k);
-  }
-  tp.flush();
-  tm.flush();
-  tv.flush();
+  store_copy(c, param, nt);
 }
 
 }  // namespace
@@ -66,19 +38,10 @@ void adam_range(P* p, const G* g, S* m, S* v, C* c, int64_t n, const AdamConsts&
 extern "C" int ds_cpu_adam_step DS_OP_SIGNATURE {
   using namespace ds_ops;
   const float lr = hyper[0], b1 = hyper[1], b2 = hyper[2], wd = hyper[4];
-  const Slot* s = reinterpret_cast<const Slot*>(slots);
-  return dispatch(dtypes, [&](auto pt, auto gt, auto st, auto ct) {
-    using P = tag_t<decltype(pt)>;
-    using G = tag_t<decltype(gt)>;
-    using S = tag_t<decltype(st)>;
-    using C = tag_t<decltype(ct)>;
-    for_each_chunk(numels, n_tensors, nthreads, [&](int64_t t, int64_t b, int64_t e) {
-      const AdamConsts k{set1(b1), set1(1.0f - b1), set1(b2), set1(1.0f - b2), set1(hyper[3]), set1(wd),
-                         set1(1.0f - lr * wd), set1(per_tensor[2 * t]), set1(per_tensor[2 * t + 1]),
-                         hyper[5] != 0.0f, wd != 0.0f};
-      adam_range(addr<P>(s[t].param, b), addr<const G>(s[t].grad, b), addr<S>(s[t].s0, b), addr<S>(s[t].s1, b),
-                 addr<C>(s[t].copy, b), e - b, k);
-    });
-    return 0;
+  return step_tensors(slots, numels, n_tensors, dtypes, nthreads, [&](int64_t t) {
+    const AdamConsts k{set1(b1), set1(1.0f - b1), set1(b2), set1(1.0f - b2), set1(hyper[3]), set1(wd),
+                       set1(1.0f - lr * wd), set1(per_tensor[2 * t]), set1(per_tensor[2 * t + 1]),
+                       hyper[5] != 0.0f, wd != 0.0f};
+    return [k](auto* p, auto* g, auto* m, auto* v, auto* c, bool nt) { adam_block(p, g, m, v, c, nt, k); };
   });
 }

@@ -99,6 +99,59 @@ inline T* addr(int64_t a, int64_t offset) {
   return a == 0 ? nullptr : reinterpret_cast<T*>(a) + offset;
 }
 
+// Writes the updated param to the optional low-precision copy, past the cache when nt (streaming) is set.
+template <class C>
+inline void store_copy(C* c, Vec param, bool nt) {
+  if (!c) return;
+  if (nt) {
+    store_stream(c, param);
+  } else {
+    store(c, param);
+  }
+}
+
+// Runs block(p, g, s0, s1, c, nt) over n elements: whole vectors in place, then the last n % kW through
+// zero-padded buffers so every element sees the same arithmetic. s1 (second state) and c (copy) may be null;
+// the block then gets null for c, and a scratch buffer it ignores for s1.
+template <class P, class G, class S, class C, class Block>
+void run_range(P* p, const G* g, S* s0, S* s1, C* c, int64_t n, Block&& block) {
+  const bool nt = can_stream(c);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) block(p + i, g + i, s0 + i, s1 ? s1 + i : nullptr, c ? c + i : nullptr, nt);
+  if (nt) stream_fence();
+  if (i == n) return;
+  const int64_t rest = n - i;
+  Tail<P> tp(p + i, rest);
+  Tail<G> tg(const_cast<G*>(g + i), rest);  // read only: never flushed
+  Tail<S> t0(s0 + i, rest);
+  Tail<S> t1(s1 ? s1 + i : nullptr, s1 ? rest : 0);
+  Tail<C> tc(c ? c + i : nullptr, c ? rest : 0);
+  block(tp.buf, tg.buf, t0.buf, t1.buf, c ? tc.buf : nullptr, false);
+  tp.flush();
+  t0.flush();
+  t1.flush();
+  tc.flush();
+}
+
+// The body of every multi-tensor optimizer entry point: dispatches on the dtypes, then for each element range
+// this thread owns runs block_for(t) (the vector step, built with tensor t's constants) through run_range.
+template <class BlockFor>
+int step_tensors(const int64_t* slots, const int64_t* numels, int64_t n_tensors, const int* dtypes, int nthreads,
+                 BlockFor&& block_for) {
+  const Slot* s = reinterpret_cast<const Slot*>(slots);
+  return dispatch(dtypes, [&](auto pt, auto gt, auto st, auto ct) {
+    using P = tag_t<decltype(pt)>;
+    using G = tag_t<decltype(gt)>;
+    using S = tag_t<decltype(st)>;
+    using C = tag_t<decltype(ct)>;
+    for_each_chunk(numels, n_tensors, nthreads, [&](int64_t t, int64_t b, int64_t e) {
+      run_range(addr<P>(s[t].param, b), addr<const G>(s[t].grad, b), addr<S>(s[t].s0, b), addr<S>(s[t].s1, b),
+                addr<C>(s[t].copy, b), e - b, block_for(t));
+    });
+    return 0;
+  });
+}
+
 }  // namespace ds_ops
 
 #define DS_OP_SIGNATURE                                                                                   \

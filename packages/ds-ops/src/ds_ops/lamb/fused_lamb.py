@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from ds_ops._fused_common import FusedOptimizer
 from ds_ops._validate import check_group
 
 
-class FusedLamb(torch.optim.Optimizer):
+class FusedLamb(FusedOptimizer):
     """LAMB (You et al. 2019) with DeepSpeed's FusedLamb arguments.
 
     Per tensor: ``m, v`` as in Adam; ``u = m_hat / denom + weight_decay * p`` where ``denom`` is
@@ -20,6 +21,9 @@ class FusedLamb(torch.optim.Optimizer):
     ``1 / clip`` when ``clip = (global_norm + 1e-6) / max_grad_norm`` exceeds 1. No host sync per step.
     ``get_lamb_coeffs()`` returns the last step's trust ratios.
     """
+
+    NAME = "FusedLamb"
+    STATES = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
@@ -40,40 +44,15 @@ class FusedLamb(torch.optim.Optimizer):
         """Trust ratios applied by the last step, one per updated param."""
         return [float(c) for c in self.lamb_coeffs]
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step_groups(self) -> None:
         self.lamb_coeffs = []
-        work = [(group, *self._collect(group)) for group in self.param_groups]
-        all_grads = [g for _, _, grads, _, _ in work for g in grads]
-        for group, params, grads, exp_avgs, exp_avg_sqs in work:
-            if params:
-                grads = self._clipped(grads, all_grads, group["max_grad_norm"])
-                self.lamb_coeffs.extend(self._update(group, params, grads, exp_avgs, exp_avg_sqs))
-        return loss
-
-    def _collect(self, group: dict[str, Any]) -> tuple[list, list, list, list]:
-        check_group("FusedLamb", group)
-        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError("FusedLamb does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-        return params, grads, exp_avgs, exp_avg_sqs
+        work = [(group, self._gather(group)) for group in self.param_groups]
+        all_grads = [g for _, b in work for g in b.grads]  # clipping uses the norm over every group's grads
+        for group, b in work:
+            if b.params:
+                grads = self._clipped(b.grads, all_grads, group["max_grad_norm"])
+                self.lamb_coeffs.extend(self._update(group, b.params, grads, b.states["exp_avg"],
+                                                     b.states["exp_avg_sq"], b.steps))
 
     @staticmethod
     def _clipped(grads: list, all_grads: list, max_grad_norm: float) -> list:
@@ -85,10 +64,9 @@ class FusedLamb(torch.optim.Optimizer):
         scale = torch.where(clip > 1, 1.0 / clip, torch.ones_like(clip))
         return torch._foreach_mul(grads, scale)
 
-    def _update(self, group: dict[str, Any], params: list, grads: list, exp_avgs: list,
-                exp_avg_sqs: list) -> list[torch.Tensor]:
+    def _update(self, group: dict[str, Any], params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+                steps: list[int]) -> list[torch.Tensor]:
         beta1, beta2 = group["betas"]
-        steps = [self.state[p]["step"] for p in params]
         bc1 = [1.0 - beta1**s if group["bias_correction"] else 1.0 for s in steps]
         bc2 = [1.0 - beta2**s if group["bias_correction"] else 1.0 for s in steps]
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)

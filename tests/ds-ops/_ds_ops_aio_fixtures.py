@@ -1,4 +1,4 @@
-"""Shared helpers for the ds_ops.aio tests (loaded by path: tests/ds-ops is not an importable package)."""
+"""Shared helpers for the ds_ops.aio tests (importable by name: conftest.py puts tests/ds-ops on sys.path)."""
 
 from __future__ import annotations
 
