@@ -19,7 +19,11 @@ _compat.install()
 
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
+    "DeepSpeedConfig": ("ds_config", "DeepSpeedConfig"),
+    "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "add_config_arguments": ("deepspeed._initialize", "add_config_arguments"),
     "comm": ("deepspeed.comm", None),
+    "initialize": ("deepspeed._initialize", "initialize"),
     "init_distributed": ("deepspeed.comm.comm", "init_distributed"),
     "log_dist": ("deepspeed.utils", "log_dist"),
     "logger": ("deepspeed.utils", "logger"),

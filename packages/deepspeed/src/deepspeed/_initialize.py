@@ -1,0 +1,84 @@
+"""``deepspeed.initialize`` and ``deepspeed.add_config_arguments``.
+
+``initialize`` is a short composition: find the config -> initialise torch.distributed -> find the
+data-parallel group (``mpu``'s, else the world) -> parse the config for that group's size -> configure the
+comms logger -> build the engine (which builds the optimizer wrapper, reducer, schedule, data loader,
+monitors and profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Any
+
+_CONFLICT = ("deepspeed.initialize: the config was given both as {a} and as {b}; pass it once")
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config source among ``config``, its alias ``config_params`` and ``args.deepspeed_config``."""
+    if config is not None and config_params is not None and config is not config_params:
+        raise ValueError(_CONFLICT.format(a="config", b="config_params (its alias)"))
+    source = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and args is not None and getattr(args, "deepscale_config", None) is not None:
+        warnings.warn("--deepscale_config is deprecated, use --deepspeed_config", DeprecationWarning, stacklevel=3)
+        from_args = args.deepscale_config
+    if source is not None and from_args is not None:
+        raise ValueError(_CONFLICT.format(a="an argument of deepspeed.initialize", b="args.deepspeed_config"))
+    source = source if source is not None else from_args
+    if source is None:
+        raise ValueError("deepspeed.initialize: no DeepSpeed config: pass config=<dict or path> (or config_params), or "
+                         "args with --deepspeed_config")
+    return source
+
+
+def _check_mesh(mesh_param: Any) -> None:
+    """``mesh_param=(dp, sp)``: only the pure data-parallel mesh is available in this version."""
+    if mesh_param is None:
+        return
+    import torch.distributed as dist
+
+    dp_size, sp_size = tuple(mesh_param)
+    if sp_size != 1 or dp_size != dist.get_world_size():
+        raise ValueError(f"deepspeed.initialize: mesh_param={tuple(mesh_param)}: only a pure data-parallel mesh "
+                         f"(world size {dist.get_world_size()}, 1) is available in this version")
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Build the training engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    import torch.distributed as dist
+
+    from deepspeed import comm
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from ds_config import load_config
+
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is required (a torch.nn.Module)")
+    source = _config_source(args, config, config_params)
+    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _check_mesh(mesh_param)
+    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+    dp_world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+    ds_config = load_config(source, world_size=dp_world)
+    comm.configure(ds_config)
+    engine = DeepSpeedEngine(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,
+                             lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+                             mpu=mpu)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags (``--deepspeed``, ``--deepspeed_config``, deprecated ``--deepscale*``)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated DeepSpeed json configuration file.")
+    return parser

@@ -1,0 +1,142 @@
+"""The engine's config accessors, in one place: the methods Hugging Face Transformers, Accelerate and
+DeepSpeed's own clients call (``engine.zero_optimization_stage()``, ``engine.gradient_accumulation_steps()``,
+...). Each reads the typed config (``self._config``, a ``ds_config.DeepSpeedConfig``) and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ConfigAccessors:
+    """Mixin for ``DeepSpeedEngine``; requires ``self._config``."""
+
+    _config: Any
+
+    # ---- batch ----
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    # ---- ZeRO ----
+    def zero_optimization(self) -> bool:
+        return self._config.zero_enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self._config.zero_stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self._config.zero_stage >= 3
+
+    def zero_offload_optimizer(self) -> Any:
+        return self._config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self) -> Any:
+        return self._config.zero_optimization.offload_param
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        return self._config.zero_allow_untested_optimizer
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(getattr(self._config.zero_optimization, "gather_16bit_weights_on_model_save", False))
+
+    # ---- precision ----
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16_enabled
+
+    def bf16_enabled(self) -> bool:
+        return self._config.bf16_enabled
+
+    def amp_enabled(self) -> bool:
+        return self._config.amp_enabled
+
+    def torch_autocast_enabled(self) -> bool:
+        return self._config.torch_autocast_enabled
+
+    def fp16_auto_cast(self) -> bool:
+        return self._config.fp16.auto_cast
+
+    def dynamic_loss_scale(self) -> bool:
+        return self._config.fp16_enabled and self._config.fp16.dynamic_loss_scale
+
+    def initial_dynamic_scale(self) -> float:
+        return self._config.initial_dynamic_scale
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any] | None:
+        return self._config.dynamic_loss_scale_args
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(model dtype, gradient accumulation dtype)."""
+        model = _DTYPES[self._config.precision]
+        accum = self._config.data_types.grad_accum_dtype
+        return model, _DTYPES[accum] if accum else model
+
+    # ---- communication and clipping ----
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def prescale_gradients(self) -> bool:
+        return self._config.prescale_gradients
+
+    def postscale_gradients(self) -> bool:
+        return not self._config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self._config.gradient_predivide_factor
+
+    def allreduce_always_fp32(self) -> bool:
+        return self._config.fp32_allreduce
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        name = self._config.communication_data_type
+        if name is not None:
+            return _DTYPES[name]
+        return torch.float32 if self._config.fp32_allreduce else _DTYPES[self._config.precision]
+
+    # ---- optimizer / schedule names ----
+    def optimizer_name(self) -> str | None:
+        return self._config.optimizer_name
+
+    def optimizer_params(self) -> dict[str, Any] | None:
+        return self._config.optimizer_params
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler_name
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        return self._config.scheduler_params
+
+    # ---- logging ----
+    def steps_per_print(self) -> int | float:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def memory_breakdown(self) -> bool:
+        return self._config.memory_breakdown
+
+    def dump_state(self) -> bool:
+        return self._config.dump_state
+
+    def flops_profiler_enabled(self) -> bool:
+        return self._config.flops_profiler.enabled
+
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return self._config.checkpoint.tag_validation != "Ignore"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return self._config.checkpoint.tag_validation == "Fail"

@@ -1,0 +1,119 @@
+"""Build the basic (unwrapped) optimizer: the client's, or the one the ``optimizer`` config section names.
+
+DeepSpeed's names (case-insensitive): Adam/AdamW -> ds_ops ``FusedAdam`` (torch's Adam/AdamW with
+``torch_adam``; ``adam_w_mode`` selects decoupled weight decay, always on for AdamW), Lamb -> ``FusedLamb``,
+Lion -> ``FusedLion``, Adagrad -> ``torch.optim.Adagrad``; with ZeRO optimizer offload to the CPU the
+DeepSpeedCPU* variants. Any other name is looked up in ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ds_config import ConfigError, ConfigProblem
+
+ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+UNAVAILABLE = ONEBIT_OPTIMIZERS + ("muadam", "muadamw", "musgd", "muon")
+
+# what ZeRO accepts without ``zero_allow_untested_optimizer`` (class names, as DeepSpeed's list)
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "DeepSpeedCPUAdagrad",
+                             "Adagrad", "FusedLion", "DeepSpeedCPULion", "Lion")
+
+
+def _torch_optimizers() -> dict[str, type]:
+    return {name: cls for name, cls in vars(torch.optim).items()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+
+
+def _adam(params: Any, kwargs: dict[str, Any], name: str, cpu_offload: bool) -> torch.optim.Optimizer:
+    from ds_ops import DeepSpeedCPUAdam, FusedAdam
+
+    torch_adam = bool(kwargs.pop("torch_adam", False))
+    adam_w_mode = bool(kwargs.pop("adam_w_mode", kwargs.pop("adamw_mode", True)))
+    adam_w_mode = name == "adamw" or adam_w_mode
+    if torch_adam:
+        kwargs.pop("set_grad_none", None)
+        kwargs.pop("fp32_optimizer_states", None)
+        return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kwargs)
+    if cpu_offload:
+        kwargs.pop("set_grad_none", None)
+        return DeepSpeedCPUAdam(params, adamw_mode=adam_w_mode, **kwargs)
+    kwargs.pop("fp32_optimizer_states", None)
+    return FusedAdam(params, adam_w_mode=adam_w_mode, **kwargs)
+
+
+def _deepspeed_optimizer(name: str, params: Any, kwargs: dict[str, Any], cpu_offload: bool) -> torch.optim.Optimizer:
+    import ds_ops
+
+    if name in ("adam", "adamw"):
+        return _adam(params, kwargs, name, cpu_offload)
+    if name == "lamb":
+        return ds_ops.FusedLamb(params, **kwargs)
+    if name == "lion":
+        return (ds_ops.DeepSpeedCPULion if cpu_offload else ds_ops.FusedLion)(params, **kwargs)
+    if name == "adagrad":
+        return (ds_ops.DeepSpeedCPUAdagrad if cpu_offload else torch.optim.Adagrad)(params, **kwargs)
+    raise ConfigError(ConfigProblem("optimizer.type", "is not available in this version of DeepSpeed (1-bit and "
+                                    "MuP/Muon optimizers come in a later release); accepted: Adam, AdamW, Lamb, "
+                                    "Lion, Adagrad or a torch.optim class name", name))
+
+
+def optimizer_from_config(section: Any, params: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """The optimizer a typed ``optimizer`` section (``DeepSpeedConfig.optimizer``) describes, over ``params``."""
+    kwargs = section.constructor_params()
+    auto = [ConfigProblem(f"optimizer.params.{k}", 'is still "auto"; fill it in before deepspeed.initialize', v)
+            for k, v in kwargs.items() if isinstance(v, str) and v == "auto"]
+    if auto:
+        raise ConfigError(auto)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    name = section.name
+    if section.is_deepspeed_optimizer:
+        def builder(p: Any, **kw: Any) -> torch.optim.Optimizer:
+            return _deepspeed_optimizer(name, p, kw, cpu_offload)
+    else:
+        classes = _torch_optimizers()
+        if name not in classes:
+            raise ConfigError(ConfigProblem("optimizer.type", "unknown optimizer; accepted: Adam, AdamW, Lamb, Lion, "
+                                            f"Adagrad, or a torch.optim class ({', '.join(sorted(classes))})", name))
+        builder = classes[name]
+    try:
+        return builder(params, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(ConfigProblem("optimizer.params", f"{section.type}: {exc}")) from exc
+
+
+def build_basic_optimizer(client: Any, section: Any, params: list, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """The client optimizer (an instance, or a callable taking the parameters), else the config's."""
+    if client is not None and section is not None:
+        raise ValueError("deepspeed.initialize: an optimizer was passed and the config has an 'optimizer' section; "
+                         "give one or the other")
+    if client is None:
+        if section is None:
+            raise ValueError("deepspeed.initialize: no optimizer: pass optimizer=... or add an 'optimizer' section "
+                             "to the config")
+        return optimizer_from_config(section, params, cpu_offload)
+    if isinstance(client, torch.optim.Optimizer):
+        return client
+    if callable(client):
+        built = client(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"deepspeed.initialize: the optimizer callable returned {type(built).__name__}, expected "
+                            "a torch.optim.Optimizer")
+        return built
+    raise TypeError(f"deepspeed.initialize: optimizer={type(client).__name__} is not a torch.optim.Optimizer or a "
+                    "callable taking the model parameters")
+
+
+def check_zero_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool) -> None:
+    """ZeRO's rule: an optimizer outside the tested list needs ``zero_allow_untested_optimizer: true``."""
+    if zero_stage == 0 or allow_untested:
+        return
+    name = type(optimizer).__name__
+    if name not in ZERO_SUPPORTED_OPTIMIZERS:
+        raise ConfigError(ConfigProblem("zero_allow_untested_optimizer", f"ZeRO stage {zero_stage} has not been "
+                                        f"tested with optimizer {name}; set \"zero_allow_untested_optimizer\": true "
+                                        f"to use it anyway (tested: {', '.join(ZERO_SUPPORTED_OPTIMIZERS)})", False))

@@ -1,0 +1,191 @@
+"""The engine's construction steps, one small function each: module placement and precision, the optimizer
+wrapper and gradient reducer of the ZeRO stage, the LR schedule, the monitor and the flops profiler.
+
+ZeRO stages plug in through ``STAGE_BUILDERS`` (stage -> ``"module:function"``, imported on first use so
+stage 0 never imports ds_zero) or ``register_zero_stage(stage, builder)``: a builder takes a ``StageInputs``
+and returns ``(OptimizerWrapper, GradientReducer)`` (see ``optimizer_wrapper``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed.runtime._grad_reduce import BucketedAllReduce, ReduceOptions
+from deepspeed.runtime._loss_scaler import DynamicLossScaler, build_loss_scaler
+from deepspeed.runtime._precision import FP32Optimizer, MixedPrecisionOptimizer
+from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
+from ds_config import ConfigError, ConfigProblem
+
+_LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StageInputs:
+    """What a ZeRO stage builder gets: the model, its trainable parameters, the basic optimizer, the typed
+    config, and the data-parallel group and size."""
+
+    module: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    basic_optimizer: torch.optim.Optimizer
+    config: Any
+    dp_group: Any
+    dp_world_size: int
+
+
+StageBuilder = Callable[[StageInputs], tuple[OptimizerWrapper, GradientReducer]]
+STAGE_BUILDERS: dict[int, str | StageBuilder] = {0: "deepspeed.runtime._setup:build_stage0"}
+"""ZeRO stage -> its builder, or the ``"module:function"`` path of it (the ZeRO stages add rows here)."""
+
+
+def register_zero_stage(stage: int, builder: StageBuilder) -> None:
+    """Make ``zero_optimization.stage = stage`` build its optimizer wrapper and reducer with ``builder``."""
+    STAGE_BUILDERS[stage] = builder
+
+
+def _stage_builder(stage: int) -> StageBuilder:
+    entry = STAGE_BUILDERS[stage]
+    if isinstance(entry, str):
+        module, _, function = entry.partition(":")
+        entry = getattr(importlib.import_module(module), function)
+        STAGE_BUILDERS[stage] = entry
+    return entry
+
+
+def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -> torch.nn.Module:
+    """Move ``module`` to ``device`` and cast it to the training dtype (fp16/bf16 weights; fp32 otherwise)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"deepspeed.initialize: model must be a torch.nn.Module, got {type(module).__name__}")
+    module.to(device)
+    low = _LOW_DTYPES.get(config.precision)
+    if low is not None:
+        module.to(low)
+    return module
+
+
+def broadcast_module(module: torch.nn.Module, dp_group: Any) -> None:
+    """Give every data-parallel rank rank 0's parameters and buffers (ranks may have initialised differently)."""
+    if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return
+    src = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=dp_group)
+
+
+def _loss_scaler(config: Any) -> Any:
+    """fp16's scaler; ``torch_autocast`` with float16 gets GradScaler's defaults (2**16, x2 every 2000)."""
+    if config.fp16_enabled:
+        return build_loss_scaler(config.fp16, config.dynamic_loss_scale_args)
+    if config.torch_autocast_enabled and _autocast_dtype(config) == torch.float16:
+        return DynamicLossScaler(init_scale=2.0 ** 16, scale_window=2000, min_scale=2.0 ** -24,
+                                 raise_error_at_min_scale=False)
+    return None
+
+
+def _autocast_dtype(config: Any) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.torch_autocast.dtype, torch.bfloat16)
+
+
+def _grad_accum_fp32(config: Any) -> bool:
+    dtype = config.data_types.grad_accum_dtype
+    if dtype is None:
+        return False
+    if dtype in ("fp32", "float32", "float"):
+        return True
+    if dtype == config.precision:
+        return False
+    raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", f"cannot accumulate {config.precision} "
+                                    "gradients in this dtype with ZeRO stage 0; accepted: fp32 or the training "
+                                    f"dtype ({config.precision})", dtype))
+
+
+def _comm_dtype(config: Any) -> torch.dtype | None:
+    name = config.communication_data_type
+    if name is None:
+        return None
+    table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ConfigError(ConfigProblem("communication_data_type", "not usable for gradient all-reduce; accepted: "
+                                        "fp32, fp16, bf16", name))
+    return table[name]
+
+
+def reduce_options(config: Any, params: list[torch.nn.Parameter], dp_group: Any, world: int) -> ReduceOptions:
+    """The config's gradient-communication options (see ``_grad_reduce``)."""
+    from deepspeed.runtime.torch_autocast import autocast_comm_dtypes
+
+    autocast = autocast_comm_dtypes(params) if config.torch_autocast_enabled else {}
+    return ReduceOptions(world_size=world, group=dp_group, communication_data_type=_comm_dtype(config),
+                         fp32_allreduce=bool(config.fp32_allreduce), prescale_gradients=bool(config.prescale_gradients),
+                         gradient_predivide_factor=float(config.gradient_predivide_factor), autocast_dtype_of=autocast)
+
+
+def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
+    """Plain data parallelism: the precision wrapper and an overlapped bucketed all-reduce."""
+    config = inputs.config
+    if config.amp_enabled:  # Apex AMP patches the model and optimizer itself; this engine does not drive it
+        raise ConfigError(ConfigProblem("amp.enabled", "NVIDIA Apex AMP is not available in this version; use "
+                                        "\"bf16\", \"fp16\" or \"torch_autocast\" instead", True))
+    clip = float(config.gradient_clipping)
+    common = dict(clip=clip, loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group)
+    if config.precision in ("fp16", "bf16"):
+        check = config.fp16_enabled or config.bf16.check_grad_overflow
+        wrapper: OptimizerWrapper = MixedPrecisionOptimizer(inputs.basic_optimizer, check_overflow=check,
+                                                            fp32_grad_accum=_grad_accum_fp32(config), **common)
+    else:
+        if config.data_types.grad_accum_dtype not in (None, "fp32", "float32"):
+            raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", "fp32 training accumulates gradients in "
+                                            "fp32; accepted: fp32", config.data_types.grad_accum_dtype))
+        wrapper = FP32Optimizer(inputs.basic_optimizer, **common)
+    options = reduce_options(config, inputs.params, inputs.dp_group, inputs.dp_world_size)
+    return wrapper, BucketedAllReduce(inputs.params, wrapper, options)
+
+
+def build_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
+    """The optimizer wrapper and reducer of the configured ZeRO stage."""
+    stage = inputs.config.zero_stage
+    if stage not in STAGE_BUILDERS:
+        raise ConfigError(ConfigProblem("zero_optimization.stage", "this ZeRO stage is not available in this version "
+                                        f"of the engine; accepted: {sorted(STAGE_BUILDERS)}", stage))
+    return _stage_builder(stage)(inputs)
+
+
+def build_scheduler(client: Any, config: Any, wrapper: OptimizerWrapper) -> Any:
+    """The client's schedule (an instance, or a callable taking the optimizer), else the config's, else None."""
+    from deepspeed.runtime.lr_schedules import build_lr_scheduler
+
+    if client is not None:
+        if config.scheduler is not None:
+            raise ValueError("deepspeed.initialize: an lr_scheduler was passed and the config has a 'scheduler' "
+                             "section; give one or the other")
+        if hasattr(client, "step") and hasattr(client, "state_dict"):
+            return client
+        if callable(client):
+            return client(wrapper.optimizer)
+        raise TypeError(f"deepspeed.initialize: lr_scheduler={type(client).__name__} is neither a schedule (with "
+                        "step/state_dict) nor a callable taking the optimizer")
+    return build_lr_scheduler(config.scheduler, wrapper)
+
+
+def build_monitor(config: Any) -> Any:
+    """A ``ds_monitor.MonitorMaster`` when any monitor is enabled, else None."""
+    if not any(getattr(config, s).enabled for s in ("tensorboard", "wandb", "comet", "csv_monitor")):
+        return None
+    from ds_monitor import MonitorMaster
+
+    return MonitorMaster(config)
+
+
+def build_flops_profiler(module: torch.nn.Module, config: Any, engine: Any) -> Any:
+    """A ``ds_profiler.FlopsProfiler`` on ``module`` when ``flops_profiler.enabled``, else None."""
+    if not config.flops_profiler.enabled:
+        return None
+    from ds_profiler import FlopsProfiler
+
+    return FlopsProfiler(module, ds_engine=engine, recompute_fwd_factor=config.flops_profiler.recompute_fwd_factor)

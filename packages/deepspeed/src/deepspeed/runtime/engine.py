@@ -1,0 +1,385 @@
+"""``DeepSpeedEngine``: the training loop's object (forward, backward, step) over the pieces built in ``_setup``.
+
+The engine is thin: the optimizer wrapper (``optimizer_wrapper.OptimizerWrapper``) owns precision, loss
+scaling, clipping and the update; the gradient reducer averages gradients over the data-parallel group,
+overlapped with backward through per-parameter gradient hooks; config accessors live in ``_accessors``;
+checkpoints in ``deepspeed.runtime.checkpointing``. The hooks also serve a direct ``loss.backward()`` (what
+``engine.backward`` does, minus the division by the gradient accumulation steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed.__about__ import __version__
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime import _setup
+from deepspeed.runtime._accessors import ConfigAccessors
+from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
+from deepspeed.runtime.optimizer_wrapper import trainable
+from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
+from deepspeed.utils import log_dist
+from ds_config import ConfigError, ConfigProblem
+
+_LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
+    """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
+    resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
+    ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
+    a dataset for ``training_dataloader``; ``mpu`` a model-parallel unit or ``dp_group`` the data-parallel
+    group (default: the whole world). Built by ``deepspeed.initialize``."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, optimizer: Any = None, model_parameters: Any = None,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
+                 mpu: Any = None, dp_group: Any = None) -> None:
+        super().__init__()
+        config.require_resolved()
+        self._config = config
+        self.config = config.to_dict()
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._place(mpu, dp_group)
+        self.module = _setup.prepare_module(model, config, self.device)
+        _setup.broadcast_module(self.module, self.dp_group)
+        if config.torch_autocast_enabled:
+            init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
+        self._configure_optimizer(optimizer, model_parameters, lr_scheduler)
+        self._configure_training_state()
+        self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
+                                    if training_data is not None else None)
+        self.monitor = _setup.build_monitor(config)
+        self.flops_profiler = _setup.build_flops_profiler(self.module, config, self)
+        if config.compile.enabled or config.compile.deepcompile:
+            self.compile()
+        log_dist(f"DeepSpeed info: version={__version__}, git-hash=unknown, git-branch=unknown", ranks=[0])
+        if config.dump_state:
+            log_dist(f"DeepSpeedEngine configuration: {self.config}", ranks=[0])
+
+    def __getattr__(self, name: str) -> Any:
+        """Unknown attributes come from the wrapped module (``engine.generate(...)``, ``engine.config_class``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name == "module":
+                raise
+            return getattr(module, name)
+
+    # ---- construction --------------------------------------------------------------------------------
+    def _place(self, mpu: Any, dp_group: Any) -> None:
+        """Ranks, groups and device. ``mpu`` (a model-parallel unit) supplies the data-parallel group."""
+        if mpu is not None and dp_group is None:
+            dp_group = mpu.get_data_parallel_group()
+        self.mpu = mpu
+        self.mp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
+        self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
+        self.dp_group = dp_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.dp_world_size = dist.get_world_size(dp_group) if distributed else 1
+        self.global_rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        accelerator = get_accelerator()
+        accelerator.set_device(self.local_rank)  # one device per local rank (a no-op on the CPU)
+        self.device = torch.device(accelerator.device_name(self.local_rank))
+
+    def _configure_optimizer(self, optimizer: Any, model_parameters: Any, lr_scheduler: Any) -> None:
+        from deepspeed.runtime._optimizer_factory import build_basic_optimizer, check_zero_optimizer
+
+        params = trainable(self.module.parameters())
+        chosen = list(model_parameters) if model_parameters is not None else params
+        offload = self._config.zero_optimization.offload_optimizer
+        cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith("cpu")
+        self.basic_optimizer = build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
+        check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
+        inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
+                                    self.dp_world_size)
+        self.optimizer, self.reducer = _setup.build_stage(inputs)
+        self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _configure_training_state(self) -> None:
+        self._sync_enabled = True
+        self._boundary_override: bool | None = None
+        self._in_backward = self._syncing = self._scaled = self._engine_backward = False
+        self._loss_sum: torch.Tensor | None = None
+        self._losses_in_window = 0
+        self._steps_in_window = 0
+        self.timers = PhaseTimers(self._config.wall_clock_breakdown or self._config.flops_profiler.enabled,
+                                  get_accelerator().synchronize)
+        self.tput = Throughput()
+
+    def _autocast_dtype(self) -> torch.dtype:
+        return _LOW[self._config.torch_autocast.dtype]
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module (under ``torch_autocast`` when configured; fp16 ``auto_cast`` casts float inputs)."""
+        self._maybe_start_profile()
+        self.timers.start(FORWARD)
+        if self._config.fp16_enabled and self._config.fp16.auto_cast:
+            inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
+        ctx = autocast_context(self._config.torch_autocast_enabled, self._autocast_dtype(), self.device.type)
+        with ctx:
+            out = self.module(*inputs, **kwargs)
+        self.timers.stop(FORWARD)
+        return out
+
+    # ---- backward --------------------------------------------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16 / torch_autocast fp16), for a manual ``.backward()``."""
+        self._scaled = True
+        return self.optimizer.scale_loss(loss)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by the gradient accumulation steps when ``scale_wrt_gas``)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TypeError(f"engine.backward(loss): loss must be a scalar tensor produced by a forward pass (with "
+                            f"requires_grad), got {type(loss).__name__}"
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self._record_loss(loss)
+        self.timers.start(BACKWARD)
+        started, reduce_before = time.perf_counter(), self.timers.elapsed_ms[BACKWARD_REDUCE]
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            loss = loss / gas
+        self._scaled = self._engine_backward = True
+        try:
+            self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+            if not self._in_backward:  # no gradient reached our parameters: still meet the other ranks
+                self._syncing = self._should_sync()
+            self._end_of_backward()
+        finally:
+            self._in_backward = self._syncing = self._scaled = self._engine_backward = False
+        self.timers.stop(BACKWARD)
+        reduced_ms = self.timers.elapsed_ms[BACKWARD_REDUCE] - reduce_before
+        self.timers.add(BACKWARD_INNER, (time.perf_counter() - started) * 1e3 - reduced_ms)
+        return loss
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        detached = loss.detach().float().reshape(())
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._losses_in_window += 1
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """Per-parameter hook, as the gradient lands: precision bookkeeping, then (maybe) overlapped reduction."""
+        if not self._in_backward:
+            if self.optimizer.scales_loss and not self._scaled:
+                raise RuntimeError("loss.backward() was called on an unscaled loss while fp16 loss scaling is on: "
+                                   "use engine.backward(loss), or engine.scale(loss).backward()")
+            self._in_backward = True
+            self._syncing = self._should_sync()
+            if not self._engine_backward:  # a direct loss.backward(): finish when autograd's graph task ends
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.optimizer.on_grad(param)
+        if self._syncing:
+            self.reducer.grad_ready(param)
+
+    def _end_of_backward(self) -> None:
+        if self._syncing:
+            started = time.perf_counter()
+            self.reducer.finish()
+            self.timers.add(BACKWARD_REDUCE, (time.perf_counter() - started) * 1e3)
+        self._in_backward = self._syncing = self._scaled = False
+
+    def _should_sync(self) -> bool:
+        """Does this backward reduce gradients? (see ``GradientReducer.every_micro_step``)"""
+        if not self._sync_enabled:
+            return False
+        if self.reducer.every_micro_step:
+            return True
+        return self.dp_world_size > 1 and self.is_gradient_accumulation_boundary()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient all-reduce inside the block (gradients accumulate locally)."""
+        if self.zero_optimization_partition_gradients():  # DeepSpeed's documented error type
+            raise AssertionError(f"no_sync is not supported with ZeRO stage {self.zero_optimization_stage()} "
+                                 "(partitioned gradients); use coalesce_grad_reduction()")
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """One gradient reduction for several backward calls (ZeRO stages 1-3; the reducer provides it)."""
+        if self.zero_optimization_stage() == 0:
+            raise NotImplementedError("coalesce_grad_reduction is not supported with ZeRO stage 0 (as documented); "
+                                      "use no_sync() to skip reductions")
+        if not self._sync_enabled:
+            raise RuntimeError("coalesce_grad_reduction cannot be nested inside no_sync()")
+        coalesce = getattr(self.reducer, "coalesce", None)
+        if coalesce is None:
+            raise TypeError(f"the ZeRO stage {self.zero_optimization_stage()} reducer "
+                            f"({type(self.reducer).__name__}) has no coalesce()")
+        with coalesce():
+            yield
+
+    # ---- gradient accumulation and the step -------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary (e.g. Accelerate's last micro batch); ``None`` restores the counter."""
+        self._boundary_override = is_boundary
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary update the weights and step the LR schedule."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        self.timers.start(STEP)
+        if boundary:
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self.timers.stop(STEP)
+        if boundary:
+            self._after_model_step()
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        if self.optimizer.step():
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+            log_dist(f"step {self.global_steps + 1}: gradient overflow, step skipped; loss scale now "
+                     f"{self.optimizer.loss_scale:g}", ranks=[0])
+        self.zero_grad()
+        self._in_backward = self._scaled = False
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.tput.add(self.train_batch_size())
+
+    def _after_model_step(self) -> None:
+        from deepspeed.runtime._reporting import report_progress
+
+        self._steps_in_window += 1
+        if self.flops_profiler is not None and self.flops_profiler.started:
+            cfg = self._config.flops_profiler
+            self.flops_profiler.print_model_profile(self.global_steps, cfg.module_depth, cfg.top_modules,
+                                                    cfg.detailed, cfg.output_file)
+            self.flops_profiler.end_profile()
+        spp = self._config.steps_per_print
+        if math.isfinite(spp) and self.global_steps % int(spp) == 0:
+            report_progress(self)
+
+    def _maybe_start_profile(self) -> None:
+        prof = self.flops_profiler
+        if prof is not None and not prof.started and self.global_rank == 0 \
+                and self.global_steps + 1 == self._config.flops_profiler.profile_step:
+            prof.start_profile()
+
+    def was_step_applied(self) -> bool:
+        """True when the last ``step()`` updated the weights (a boundary step without overflow)."""
+        return getattr(self, "_step_applied", False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the accumulated gradients: the optimizer's (with master copies) and every module parameter's."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    # ---- read-outs ---------------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        groups = self.optimizer.param_groups
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Unscaled global gradient L2 norm of the last step (computed with clipping or loss scaling)."""
+        return self.optimizer.global_grad_norm
+
+    def get_loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    # ---- data -------------------------------------------------------------------------------------------
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler: Any = None, collate_fn: Any = None, num_local_io_workers: int | None = None) -> Any:
+        """A ``DeepSpeedDataLoader`` over ``dataset``: this rank's shard, micro batches of the configured size."""
+        from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            raise TypeError(f"deepspeed_io: training data must be a torch.utils.data.Dataset, got "
+                            f"{type(dataset).__name__}")
+        rank = dist.get_rank(self.dp_group) if self.dp_world_size > 1 else 0
+        return DeepSpeedDataLoader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), pin_memory,
+                                   self.local_rank, None, collate_fn=collate_fn,
+                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+                                   data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank)
+
+    # ---- checkpoints (deepspeed.runtime.checkpointing) ------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save module, optimizer, schedule and counters under ``<save_dir>/<tag>/`` (collective)."""
+        from deepspeed.runtime import checkpointing
+
+        checkpointing.save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                                      save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint; returns ``(path, client_state)`` (``(None, None)`` when there is none)."""
+        from deepspeed.runtime import checkpointing
+
+        path, client_state = checkpointing.load_checkpoint(
+            self, load_dir, tag=tag, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if path is not None and (load_module_only or not load_optimizer_states):
+            self.optimizer.sync_master_from_model()  # the loaded weights, not the stale masters, go on training
+        return path, client_state
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the module's (16-bit when training in fp16/bf16) weights to ``<save_dir>/<save_filename>``."""
+        from deepspeed.runtime import checkpointing
+
+        return checkpointing.save_16bit_model(self, save_dir, save_filename,
+                                              exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None) -> None:
+        """``torch.compile`` the wrapped module in place (backend/kwargs default to the ``compile`` section)."""
+        section = self._config.compile
+        if section.deepcompile:
+            raise ConfigError(ConfigProblem("compile.deepcompile", "DeepCompile is not available in this version; "
+                                            "plain torch.compile (compile.enabled) is", True))
+        self.module.compile(backend=backend or section.backend, **{**section.kwargs, **(compile_kwargs or {})})
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_is_compiled", False)
+
+    def destroy(self) -> None:
+        """Remove the gradient hooks and close the monitors (the engine must not be used afterwards)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
