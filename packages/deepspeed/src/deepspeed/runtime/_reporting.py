@@ -1,6 +1,12 @@
 """The engine's periodic report, every ``steps_per_print`` optimizer steps: one log line on rank 0 (step,
 loss, lr, loss scale, skipped steps, samples/s; the phase timers with ``wall_clock_breakdown``, memory with
 ``memory_breakdown``) and the documented monitor events, with the global sample count as the event step.
+
+Events (spec, "Monitoring"), written through the monitor master by global rank 0 only: ``Train/Samples/train_loss``
+(mean loss of the window's micro-steps, averaged over the data-parallel ranks; omitted when no loss went through
+``engine.backward``), ``Train/Samples/lr`` (first param group), ``Train/Samples/loss_scale`` (fp16 only) and, with
+``wall_clock_breakdown`` or the flops profiler, ``Train/Samples/elapsed_time_ms_{forward, backward, backward_inner,
+backward_allreduce, step}`` in milliseconds per optimizer step (mean over the window, measured on rank 0).
 """
 
 from __future__ import annotations
