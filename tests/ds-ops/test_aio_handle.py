@@ -255,6 +255,10 @@ def test_getters_and_validation():
             4096, 16, True, False)
         assert h.get_thread_count() == 3 == h.get_intra_op_parallelism()
         assert h.get_backend() == "threads" and h.get_last_io_mode() is None
+    with AsyncIOHandle(intra_op_parallelism=2, backend="threads") as h:  # newer DeepSpeed's keyword
+        assert h.get_thread_count() == 2 == h.get_intra_op_parallelism()
+    with pytest.raises(ValueError, match="thread_count=3 and intra_op_parallelism=2 disagree"):
+        AsyncIOHandle(thread_count=3, intra_op_parallelism=2, backend="threads")
     for kwargs, name in [({"block_size": 0}, "block_size"), ({"queue_depth": -1}, "queue_depth"),
                          ({"thread_count": 1.5}, "thread_count"), ({"single_submit": 1}, "single_submit"),
                          ({"backend": "io_uring"}, "backend")]:

@@ -75,6 +75,10 @@ def test_keyword_inputs_as_json(factories, capsys, tmp_path):
         (["{m}:mlp", "--kwargs", "[1]"], "--kwargs: expected a JSON object"),
         (["{m}:mlp"], "give --input-shape or --kwargs"),
         (["nocolon", "--input-shape", "1"], "PACKAGE.MODULE:FACTORY"),
+        (["{m}:mlp", "--input-shape", "3,7"], "profiling {m}:mlp() with input shape (3, 7) (mode=forward) failed: "
+                                             "RuntimeError"),
+        (["{m}:tagger", "--kwargs", '{{"attention_mask": [[1]]}}'],
+         "profiling {m}:tagger() with keyword inputs ['attention_mask'] (mode=forward) failed: TypeError"),
     ],
 )
 def test_errors_name_what_failed(factories, capsys, argv, message):

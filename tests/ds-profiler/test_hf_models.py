@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ds_profiler import FlopsProfiler, get_model_profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub: models are built from configs
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 - a declared test dependency (hatch.toml): its absence must fail, not skip
 
 DIM, LAYERS, HEADS, SEQ, BATCH, VOCAB, FFN = 64, 2, 4, 16, 2, 128, 256
 

@@ -51,7 +51,6 @@ def test_number_formatting():
 
 
 def test_served_at_documented_deepspeed_paths():
-    pytest.importorskip("deepspeed")
     from deepspeed.profiling.flops_profiler import FlopsProfiler, get_model_profile
     from deepspeed.profiling.flops_profiler.profiler import FlopsProfiler as Documented
     from deepspeed.profiling.flops_profiler.profiler import get_model_profile as documented_fn

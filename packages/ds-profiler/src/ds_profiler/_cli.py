@@ -102,11 +102,16 @@ def run(argv: Sequence[str]) -> int:
         raise CliError(f"{opts.factory}() returned {type(model).__name__}, not a torch.nn.Module")
     if opts.eval:
         model.eval()
-    flops, macs, params = get_model_profile(
-        model, input_shape=shape, kwargs=model_kwargs, detailed=not opts.no_detailed,
-        module_depth=opts.module_depth, top_modules=opts.top_modules, warm_up=opts.warm_up,
-        output_file=opts.output_file, mode=opts.mode,
-    )
+    try:
+        flops, macs, params = get_model_profile(
+            model, input_shape=shape, kwargs=model_kwargs, detailed=not opts.no_detailed,
+            module_depth=opts.module_depth, top_modules=opts.top_modules, warm_up=opts.warm_up,
+            output_file=opts.output_file, mode=opts.mode,
+        )
+    except Exception as exc:  # the model's own failure (wrong input shape, missing input), named as such
+        inputs = f"input shape {shape}" if shape else f"keyword inputs {sorted(model_kwargs)}"
+        raise CliError(f"profiling {opts.factory}() with {inputs} (mode={opts.mode}) failed: "
+                       f"{type(exc).__name__}: {exc}") from exc
     print(f"flops: {flops.strip()}  macs: {macs}  params: {params}")
     return 0
 

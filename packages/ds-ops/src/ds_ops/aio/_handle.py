@@ -60,7 +60,8 @@ class AsyncIOHandle:
     Args (the ``aio`` config section): ``block_size`` bytes per request piece; ``queue_depth`` pieces kept in
     flight per thread; ``single_submit`` submits pieces one by one instead of in batches; ``overlap_events``
     refills the queue as each piece completes instead of waiting for the whole batch; ``thread_count`` I/O
-    threads, each with its own io context, that split every request between them. ``backend``: "auto"
+    threads, each with its own io context, that split every request between them (``intra_op_parallelism``
+    is accepted as newer DeepSpeed's name for it). ``backend``: "auto"
     (libaio when loadable), "libaio" or "threads" (the fallback); default from ``DS_AIO_BACKEND``.
     ``use_direct``: allow O_DIRECT (used when the file offset and block size are aligned and the filesystem
     accepts it; buffered I/O otherwise). ``stage_unaligned``: a buffer misaligned in memory (plain tensors)
@@ -76,10 +77,16 @@ class AsyncIOHandle:
         overlap_events: bool = True,
         thread_count: int = 1,
         *,
+        intra_op_parallelism: int | None = None,
         backend: str | None = None,
         use_direct: bool = True,
         stage_unaligned: bool = True,
     ) -> None:
+        if intra_op_parallelism is not None:  # newer DeepSpeed's name for thread_count
+            if thread_count not in (1, intra_op_parallelism):
+                raise ValueError(f"AsyncIOHandle: thread_count={thread_count!r} and intra_op_parallelism="
+                                 f"{intra_op_parallelism!r} disagree; give one of them")
+            thread_count = intra_op_parallelism
         self._settings = Settings(
             block_size=_positive_int("block_size", block_size),
             queue_depth=_positive_int("queue_depth", queue_depth),
