@@ -127,3 +127,44 @@ def test_unknown_key_does_not_hide_other_problems():
         validate_section(DeepSpeedConfig, bad)
     assert set(info.value.paths) == {"optimzer", "zero_optimization.offload_param.device"}
     assert "did you mean 'optimizer'" in str(info.value)
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "x"}}},
+     "scheduler.params.warmup_max_lr: must be a number, a list or 'auto' (got 'x')"),
+    ({"fp16": {"enabled": "yes"}}, "fp16.enabled: must be a boolean (true or false) (got 'yes')"),
+    ({"zero_optimization": 3}, "zero_optimization: must be an object (a JSON {...} section) (got 3)"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+     "zero_optimization.offload_param.device: must be 'none', 'cpu' or 'nvme' (got 'gpu')"),
+    ({"train_batch_size": 1.5}, "train_batch_size: must be a whole number (not fractional) or 'auto' (got 1.5)"),
+])
+def test_type_errors_read_as_one_sentence_of_what_is_accepted(data, expected):
+    # pydantic's per-branch wording ("Input should be ... or Input should be ...") folded into one sentence
+    from ds_config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(data)
+    assert [str(p) for p in err.value.problems] == [expected]
+    assert "Input should" not in str(err.value)
+
+
+def test_suggestion_of_a_deprecated_name_points_to_its_replacement():
+    from ds_config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"zero_optimization": {"stage": 3, "cpu_offload_params": True}, "bfloat_16": {}})
+    messages = {p.path: p.message for p in err.value.problems}
+    assert messages["zero_optimization.cpu_offload_params"] == (
+        "unknown key (did you mean 'cpu_offload_param'? It is deprecated: use 'offload_param')")
+    assert messages["bfloat_16"] == "unknown key (did you mean 'bfloat16'? It is deprecated: use 'bf16')"
+
+
+def test_strict_false_warning_keeps_the_did_you_mean():
+    from ds_config import load_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config({"zero_optimization": {"stage": 2, "overlap_com": True}}, strict=False)
+    assert cfg.zero_stage == 2
+    assert [str(w.message) for w in caught] == [
+        "ignoring unknown config key 'zero_optimization.overlap_com' (did you mean 'overlap_comm'?)"]

@@ -93,6 +93,14 @@ def test_auto_batch_sizes_block_resolution_by_name():
     assert "train_batch_size" in err.value.paths[0] and "auto" in str(err.value)
 
 
+def test_every_auto_batch_key_and_bad_value_is_named_at_once():
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_sizes("auto", "auto", 0, world_size=8)
+    assert err.value.paths == ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+    assert "Hugging Face" in str(err.value) and "write a number" in str(err.value)
+    assert "(got 0)" in str(err.value.problems[2])
+
+
 # ---- elastic training: the batch keys come from the elasticity section ----
 def _divisor_counts(limit: int) -> list[int]:
     counts = [0] * (limit + 1)

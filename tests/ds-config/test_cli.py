@@ -40,6 +40,28 @@ def test_inconsistent_batch_exits_1(tmp_path, capsys):
     assert "train_batch_size" in capsys.readouterr().err
 
 
+HF_AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"}}
+
+
+def test_hf_auto_config_is_valid_with_a_note_naming_what_is_still_auto(tmp_path, capsys):
+    assert main(["validate", _write(tmp_path, HF_AUTO)]) == 0
+    captured = capsys.readouterr()
+    resolved = json.loads(captured.out)
+    assert resolved["zero_optimization"]["prefetch_bucket_size"] == 50_000_000  # "auto" in a section: default
+    assert 'note: 6 value(s) still "auto"' in captured.err
+    assert "optimizer.params.lr" in captured.err and "gradient_clipping" in captured.err
+
+
+def test_hf_auto_batch_with_world_size_names_every_key_and_hints(tmp_path, capsys):
+    assert main(["validate", _write(tmp_path, HF_AUTO), "--world-size", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "(3 problems)" in err and "gradient_accumulation_steps: is still" in err
+    assert "leave out --world-size" in err
+
+
 def test_bad_json_exits_1(tmp_path, capsys):
     assert main(["validate", _write(tmp_path, "{oops")]) == 1
     assert "not valid JSON" in capsys.readouterr().err

@@ -194,3 +194,26 @@ def test_engine_accessors():
     assert cfg.scheduler_params["warmup_type"] == "log"
     static = load_config({"fp16": {"enabled": True, "loss_scale": 256}})
     assert static.dynamic_loss_scale_args is None and static.optimizer_name is None
+
+
+def test_a_field_error_does_not_hide_cross_section_or_batch_problems():
+    # one run of the validator should show everything the user has to fix, not one problem per run
+    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "yes"}},
+            "fp16": {"enabled": True}, "bf16": {"enabled": True},
+            "train_batch_size": 12, "train_micro_batch_size_per_gpu": 4}
+    with pytest.raises(ConfigError) as err:
+        load_config(data, world_size=8)
+    assert err.value.paths == ["zero_optimization.offload_param.pin_memory", "bf16.enabled",
+                               "gradient_accumulation_steps"]
+    assert "0.375 is not a whole number" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # without a world size the batch is not checked
+        load_config(data)
+    assert err.value.paths == ["zero_optimization.offload_param.pin_memory", "bf16.enabled"]
+
+
+def test_sections_with_errors_take_no_part_in_cross_section_checks():
+    # amp + ZeRO conflicts only through zero_optimization.stage, which is in a section that failed: no guess
+    data = {"amp": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": "x"}}
+    with pytest.raises(ConfigError) as err:
+        load_config(data)
+    assert err.value.paths == ["zero_optimization.reduce_bucket_size"]

@@ -87,6 +87,9 @@ def test_scheduler_params_validated_per_type():
 def test_scheduler_misspelt_name_is_caught():
     assert "spelt 'WarmupLR'" in str(_err({"scheduler": {"type": "warmuplr"}}))
     assert "did you mean 'WarmupDecayLR'" in str(_err({"scheduler": {"type": "WarmupDecayLr2"}}))
+    # the problem sits at the key to change and shows the name as written, not the whole section
+    assert [str(p) for p in _err({"scheduler": {"type": "WarmupLr"}}).problems] == [
+        "scheduler.type: is spelt 'WarmupLR' (scheduler names are case-sensitive) (got 'WarmupLr')"]
     assert isinstance(load_config({"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 1}}}).scheduler,
                       TorchScheduler)
 
@@ -158,3 +161,8 @@ def test_small_sections():
     assert load_config({"compile": {"deepcompile": True, "passes": ["autosp"]}}).compile.autosp
     assert load_config({"activation_checkpointing": {"number_checkpoints": 4}}).activation_checkpointing \
         .number_checkpoints == 4
+
+
+def test_missing_required_key_says_so():
+    assert [str(p) for p in _err({"optimizer": {"params": {"lr": 0.1}}}).problems] == [
+        "optimizer.type: is required but missing"]

@@ -43,11 +43,25 @@ def _validate(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         except ConfigError as exc:
             print(f"{args.file}: {exc}", file=sys.stderr)
+            if args.world_size is not None and all("still \"auto\"" in p.message for p in exc.problems):
+                print("hint: leave out --world-size to check the rest of a config whose batch sizes are "
+                      "filled in later", file=sys.stderr)
             return EXIT_INVALID
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
+    _note_auto(config.auto_keys())
     print(json.dumps(config.to_dict(), indent=2))
     return EXIT_OK
+
+
+def _note_auto(keys: list[str], shown: int = 8) -> None:
+    """Valid, but not ready for ``deepspeed.initialize`` on its own: say which values a client must fill in."""
+    if not keys:
+        return
+    listed = ", ".join(keys[:shown]) + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
+    print(f"note: {len(keys)} value(s) still \"auto\" ({listed}): the Hugging Face Trainer/Accelerate "
+          "integration fills them in; deepspeed.initialize rejects them if they are still \"auto\"",
+          file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

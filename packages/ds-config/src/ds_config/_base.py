@@ -11,6 +11,7 @@ What it adds over a plain pydantic model, once for all sections:
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +115,16 @@ class DSConfigModel(BaseModel):
             DSConfigModel._key_index[cls] = index
         return index
 
+    @classmethod
+    def _renamed_keys(cls) -> dict[str, str]:
+        """Deprecated input key -> the key that replaces it (so a suggestion can point past the old name)."""
+        out = {}
+        for name, field in cls.model_fields.items():
+            dep = _marker(field, Deprecated)
+            if dep is not None and dep.new:
+                out.update({key: dep.new for key in _input_keys(name, field)})
+        return out
+
     @model_validator(mode="before")
     @classmethod
     def _screen_input(cls, data: Any, info: ValidationInfo) -> Any:
@@ -127,7 +138,8 @@ class DSConfigModel(BaseModel):
             raise PydanticCustomError(
                 "unknown_key",
                 "unknown key {details}; accepted keys: {accepted}",
-                {"details": details, "accepted": ", ".join(sorted(known)), "unknown": unknown},
+                {"details": details, "accepted": ", ".join(sorted(known)), "unknown": unknown,
+                 "renamed": cls._renamed_keys()},
             )
         data = dict(data)
         for name, field in cls.model_fields.items():
@@ -219,7 +231,8 @@ def _drop_unknown(data: Any, unknown: list[dict], path: str, *, warn: bool) -> A
         parent = _follow(data, tuple(loc))
         for key in keys:
             if warn:
-                warnings.warn(f"ignoring unknown config key '{join_path(path, *loc, key)}'",
+                hint = did_you_mean(str(key), _known_at(e)) if e["type"] == "unknown_key" else ""
+                warnings.warn(f"ignoring unknown config key '{join_path(path, *loc, key)}'{hint}",
                               UnknownConfigKeyWarning, stacklevel=3)
             parent.pop(key, None)
     return data
@@ -245,7 +258,8 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
         if err["type"] == "unknown_key":
             for key in err["ctx"]["unknown"]:
                 p = join_path(path, *loc, key)
-                merged.setdefault(p, []).append(_unknown_key_message(str(key), _known_at(err)))
+                merged.setdefault(p, []).append(_unknown_key_message(str(key), _known_at(err),
+                                                                     err["ctx"].get("renamed", {})))
             continue
         nested = (err.get("ctx") or {}).get("error")
         if isinstance(nested, ConfigError):  # a cross-field check that already names its key paths
@@ -258,18 +272,50 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         if err["type"] == "extra_forbidden":  # a section that skipped the screening: same wording
             msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "is required but missing"
         if msg not in merged.setdefault(p, []):
             merged[p].append(msg)
         if err["type"] not in ("missing", "deprecated_conflict"):
             values.setdefault(p, err.get("input"))
-    problems = [ConfigProblem(p, " or ".join(msgs), *([values[p]] if p in values else []))
+    problems = [ConfigProblem(p, _readable(msgs), *([values[p]] if p in values else []))
                 for p, msgs in merged.items()]
     return ConfigError(problems)
 
 
-def _unknown_key_message(key: str, known: list[str], shown: int = 12) -> str:
+_SHOULD_BE = "Input should be "
+_PLAIN = {"a valid boolean": "a boolean (true or false)", "a valid integer": "an integer", "a valid number": "a number",
+          "a valid list": "a list", "a valid string": "a string",
+          "a valid integer, got a number with a fractional part": "a whole number (not fractional)"}
+
+
+def _readable(messages: list[str]) -> str:
+    """One sentence from pydantic's per-branch messages: ``must be a number, a list or 'auto'`` instead of
+    ``Input should be a valid number, unable to parse string as a number or Input should be ...``."""
+    if len(messages) < 2 and not (messages and messages[0].startswith(_SHOULD_BE)):
+        return " or ".join(messages)
+    parts: list[str] = []
+    for msg in messages:
+        if not msg.startswith(_SHOULD_BE):
+            parts.append(msg)
+            continue
+        what = msg.removeprefix(_SHOULD_BE).split(", unable to")[0]
+        what = re.sub(r"^a valid dictionary( or instance of \w+)?$", "an object (a JSON {...} section)", what)
+        what = _PLAIN.get(what, what)
+        if what not in parts:
+            parts.append(what)
+    if all(m.startswith(_SHOULD_BE) for m in messages):
+        head = parts[:-1]
+        return "must be " + (f"{', '.join(head)} or {parts[-1]}" if head else parts[0])
+    return " or ".join(parts)
+
+
+def _unknown_key_message(key: str, known: list[str], renamed: dict[str, str] | None = None, shown: int = 12) -> str:
     hint = did_you_mean(key, known)
     if hint:
+        close = hint.split("'")[1]
+        if renamed and close in renamed:  # do not steer the user to a deprecated name
+            return f"unknown key{hint[:-1]} It is deprecated: use '{renamed[close]}')"
         return f"unknown key{hint}"
     listed = ", ".join(known[:shown]) + (f", ... ({len(known)} in all)" if len(known) > shown else "")
     return f"unknown key; accepted here: {listed}"

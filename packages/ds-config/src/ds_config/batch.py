@@ -28,12 +28,20 @@ class BatchSizes:
                 GAS: self.gradient_accumulation_steps}
 
 
-def _check_given(name: str, value: Any) -> None:
-    if value == "auto":
-        raise ConfigError(ConfigProblem(name, "is still \"auto\"; it must be filled in (e.g. by the Hugging "
-                                              "Face integration) before the batch sizes can be derived"))
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(ConfigProblem(name, "must be a positive integer", value))
+_AUTO_HINT = ("is still \"auto\": the Hugging Face Trainer/Accelerate integration fills it in from its own "
+              "arguments; to derive the batch sizes yourself, write a number here (any two of train_batch_size, "
+              "train_micro_batch_size_per_gpu, gradient_accumulation_steps are enough)")
+
+
+def _check_given(given: dict[str, Any]) -> None:
+    """Every given batch key is a positive integer; all offenders (``"auto"`` ones first) in one error."""
+    autos = [name for name, value in given.items() if value == "auto"]
+    problems = [ConfigProblem(name, _AUTO_HINT if i == 0 else "is still \"auto\" as well")
+                for i, name in enumerate(autos)]
+    problems += [ConfigProblem(name, "must be a positive integer", value) for name, value in given.items()
+                 if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0)]
+    if problems:
+        raise ConfigError(problems)
 
 
 def _equation(tbs: int, mbs: int, gas: int, ws: int) -> str:
@@ -51,9 +59,7 @@ def resolve_batch_sizes(train_batch_size: int | None = None, train_micro_batch_s
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ConfigError(ConfigProblem("world_size", "must be a positive integer", world_size))
     tbs, mbs, gas = train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
-    for name, value in ((TBS, tbs), (MBS, mbs), (GAS, gas)):
-        if value is not None:
-            _check_given(name, value)
+    _check_given({name: value for name, value in ((TBS, tbs), (MBS, mbs), (GAS, gas)) if value is not None})
     if tbs is None and mbs is None:
         raise ConfigError(ConfigProblem(TBS, "either train_batch_size or train_micro_batch_size_per_gpu "
                                              "must be given"))

@@ -7,6 +7,7 @@ import base64
 import binascii
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +111,59 @@ def load_config(source: Any, *, world_size: int | None = None, strict: bool = Tr
     if isinstance(source, DeepSpeedConfig):
         config = source
     else:
-        config = validate_section(DeepSpeedConfig, read_source(source), strict=strict)
+        data = read_source(source)
+        try:
+            config = validate_section(DeepSpeedConfig, data, strict=strict)
+        except ConfigError as exc:
+            raise ConfigError(exc.problems + _hidden_problems(data, exc.paths, world_size)) from None
     if world_size is not None:
         config.resolve_batch(world_size)
     return config
+
+
+def _hidden_problems(data: dict[str, Any], reported: list[str], world_size: int | None) -> list[ConfigProblem]:
+    """Problems a failed validation could not reach, so one run shows them all: cross-section checks (which
+    need every section valid) among the sections that did validate, and the batch arithmetic.
+
+    The sections with errors are left out (so they take their defaults, which are all "off" and cannot
+    create a conflict of their own).
+    """
+    from ds_config.config import DeepSpeedConfig
+
+    bad = {path.split(".")[0].split("[")[0] for path in reported}
+    rest = {key: value for key, value in data.items() if key not in bad}
+    extra: list[ConfigProblem] = []
+    if len(rest) < len(data):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecations were already reported by the first validation
+            try:
+                validate_section(DeepSpeedConfig, rest, strict=False)
+            except ConfigError as exc:
+                extra = exc.problems
+    if world_size is not None:
+        extra += _batch_problems(data, world_size)
+    seen = set(reported)
+    return [p for p in extra if p.path not in seen and not seen.add(p.path)]
+
+
+def _batch_problems(data: dict[str, Any], world_size: int) -> list[ConfigProblem]:
+    """Batch-arithmetic problems of a config that failed validation elsewhere, so one run shows them all.
+
+    Only plain positive integers are checked: a wrong type is already reported by validation, and elastic
+    training (which owns the batch keys) is left to ``resolve_batch``.
+    """
+    from ds_config.batch import GAS, MBS, TBS, resolve_batch_sizes
+
+    values = [data.get(key) for key in (TBS, MBS, GAS)]
+    elastic = data.get("elasticity")
+    if isinstance(elastic, dict) and elastic.get("enabled"):
+        return []
+    if any(v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0) for v in values):
+        return []
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        return []
+    try:
+        resolve_batch_sizes(*values, world_size=world_size)
+    except ConfigError as exc:
+        return exc.problems
+    return []

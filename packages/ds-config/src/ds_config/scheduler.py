@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from ds_config._base import DSConfigModel, KeepAuto
-from ds_config._errors import did_you_mean
+from ds_config._errors import ConfigError, ConfigProblem, did_you_mean
 from ds_config._types import Auto, Bool, Float, Int, NonNeg, PosInt
 
 AutoF = Annotated[Float | Auto, KeepAuto()]
@@ -143,12 +143,13 @@ class TorchScheduler(_Scheduler):
     def _not_a_misspelt_schedule(self) -> TorchScheduler:
         lowered = {s.lower(): s for s in SCHEDULERS}
         if self.type.lower() in lowered:
-            raise ValueError(f"scheduler type '{self.type}' is spelt '{lowered[self.type.lower()]}' "
-                             "(scheduler names are case-sensitive)")
+            raise ConfigError(ConfigProblem("type", f"is spelt '{lowered[self.type.lower()]}' (scheduler names "
+                                                    "are case-sensitive)", self.type))
         hint = did_you_mean(self.type, SCHEDULERS)
         if hint and self.type not in _TORCH_SCHEDULERS:
-            raise ValueError(f"unknown scheduler type '{self.type}'{hint}; DeepSpeed schedules: "
-                             f"{', '.join(SCHEDULERS)}, or a torch.optim.lr_scheduler class name")
+            raise ConfigError(ConfigProblem("type", f"unknown scheduler type{hint}; DeepSpeed schedules: "
+                                                    f"{', '.join(SCHEDULERS)}, or a torch.optim.lr_scheduler "
+                                                    "class name", self.type))
         return self
 
 
