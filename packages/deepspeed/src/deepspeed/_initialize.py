@@ -63,7 +63,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     _check_mesh(mesh_param)
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-    ds_config = load_config(source, world_size=dp_world)
+    ds_config = load_config(source)
+    ds_config.require_resolved()  # every key still "auto" in one error, before the batch arithmetic
+    ds_config.resolve_batch(dp_world)
     comm.configure(ds_config)
     engine = DeepSpeedEngine(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,
                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
