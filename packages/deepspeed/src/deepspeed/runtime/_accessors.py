@@ -59,6 +59,9 @@ class ConfigAccessors:
     def bf16_enabled(self) -> bool:
         return self._config.bf16_enabled
 
+    def bfloat16_enabled(self) -> bool:  # DeepSpeed's own name for it (Megatron-DeepSpeed calls this one)
+        return self._config.bf16_enabled
+
     def amp_enabled(self) -> bool:
         return self._config.amp_enabled
 

@@ -96,6 +96,9 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         from deepspeed.runtime._optimizer_factory import build_basic_optimizer, check_zero_optimizer
 
         params = trainable(self.module.parameters())
+        if optimizer is None and self._config.optimizer is None and self._config.zero_stage == 0:
+            self._configure_without_optimizer(lr_scheduler)
+            return
         chosen = list(model_parameters) if model_parameters is not None else params
         offload = self._config.zero_optimization.offload_optimizer
         cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith("cpu")
@@ -106,6 +109,22 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
+        """No client optimizer and no ``optimizer`` section: an evaluation/inference engine (as in DeepSpeed,
+        e.g. Transformers' and Accelerate's evaluation path): forward works, training calls are an error."""
+        if lr_scheduler is not None:
+            raise ValueError("deepspeed.initialize: an lr_scheduler was passed but there is no optimizer (neither "
+                             "optimizer=... nor an 'optimizer' config section) for it to drive")
+        if self._config.scheduler is not None:  # DeepSpeed ignores it too; say so rather than stay silent
+            log_dist("the config's 'scheduler' section is ignored: no optimizer (evaluation engine)", ranks=[0])
+        self.basic_optimizer = self.optimizer = self.reducer = self.lr_scheduler = None
+        self._hook_handles = []
+
+    def _require_optimizer(self, call: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.{call}: this engine was built without an optimizer (evaluation only); pass "
+                               "optimizer=... to deepspeed.initialize or add an 'optimizer' config section to train")
 
     def _configure_training_state(self) -> None:
         self._sync_enabled = True
@@ -137,6 +156,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
     # ---- backward --------------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16 / torch_autocast fp16), for a manual ``.backward()``."""
+        self._require_optimizer("scale")
         self._scaled = True
         return self.optimizer.scale_loss(loss)
 
@@ -146,6 +166,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
             raise TypeError(f"engine.backward(loss): loss must be a scalar tensor produced by a forward pass (with "
                             f"requires_grad), got {type(loss).__name__}"
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self._require_optimizer("backward")
         self._record_loss(loss)
         self.timers.start(BACKWARD)
         started, reduce_before = time.perf_counter(), self.timers.elapsed_ms[BACKWARD_REDUCE]
@@ -238,6 +259,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary update the weights and step the LR schedule."""
+        self._require_optimizer("step")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         self.timers.start(STEP)
@@ -288,23 +310,24 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients: the optimizer's (with master copies) and every module parameter's."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
         self.module.zero_grad(set_to_none=set_to_none)
 
     # ---- read-outs ---------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_mom(self) -> list[Any]:
-        groups = self.optimizer.param_groups
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
         return [g["betas"] if "betas" in g else g.get("momentum") for g in groups]
 
     def get_global_grad_norm(self) -> float | None:
         """Unscaled global gradient L2 norm of the last step (computed with clipping or loss scaling)."""
-        return self.optimizer.global_grad_norm
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     def get_loss_scale(self) -> float:
-        return self.optimizer.loss_scale
+        return self.optimizer.loss_scale if self.optimizer is not None else 1.0
 
     # ---- data -------------------------------------------------------------------------------------------
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
@@ -341,7 +364,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
             self, load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        if path is not None and (load_module_only or not load_optimizer_states):
+        if path is not None and self.optimizer is not None and (load_module_only or not load_optimizer_states):
             self.optimizer.sync_master_from_model()  # the loaded weights, not the stale masters, go on training
         return path, client_state
 
