@@ -87,10 +87,16 @@ def optimizer_from_config(section: Any, params: Iterable, cpu_offload: bool = Fa
 
 
 def build_basic_optimizer(client: Any, section: Any, params: list, cpu_offload: bool = False) -> torch.optim.Optimizer:
-    """The client optimizer (an instance, or a callable taking the parameters), else the config's."""
+    """The client optimizer (an instance, or a callable taking the parameters), else the config's.
+
+    As in DeepSpeed, a client optimizer wins over the config's ``optimizer`` section (with a warning), so scripts
+    that pass both keep running.
+    """
     if client is not None and section is not None:
-        raise ValueError("deepspeed.initialize: an optimizer was passed and the config has an 'optimizer' section; "
-                         "give one or the other")
+        from deepspeed.utils import logger
+
+        logger.warning("deepspeed.initialize: an optimizer was passed, so the config's 'optimizer' section "
+                       f"({section.type}) is ignored")
     if client is None:
         if section is None:
             raise ValueError("deepspeed.initialize: no optimizer: pass optimizer=... or add an 'optimizer' section "

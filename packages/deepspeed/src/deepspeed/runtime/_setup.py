@@ -157,13 +157,17 @@ def build_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]
 
 
 def build_scheduler(client: Any, config: Any, wrapper: OptimizerWrapper) -> Any:
-    """The client's schedule (an instance, or a callable taking the optimizer), else the config's, else None."""
+    """The client's schedule (an instance, or a callable taking the optimizer), else the config's, else None.
+
+    As in DeepSpeed, a client schedule wins over the config's ``scheduler`` section (with a warning).
+    """
     from deepspeed.runtime.lr_schedules import build_lr_scheduler
+    from deepspeed.utils import logger
 
     if client is not None:
         if config.scheduler is not None:
-            raise ValueError("deepspeed.initialize: an lr_scheduler was passed and the config has a 'scheduler' "
-                             "section; give one or the other")
+            logger.warning("deepspeed.initialize: an lr_scheduler was passed, so the config's 'scheduler' section "
+                           f"({config.scheduler.type}) is ignored")
         if hasattr(client, "step") and hasattr(client, "state_dict"):
             return client
         if callable(client):
