@@ -63,11 +63,10 @@ def resolve_batch_sizes(train_batch_size: int | None = None, train_micro_batch_s
     if tbs is None and mbs is None:
         raise ConfigError(ConfigProblem(TBS, "either train_batch_size or train_micro_batch_size_per_gpu "
                                              "must be given"))
-    if tbs is not None and mbs is not None and gas is not None:
-        pass
-    elif tbs is not None and mbs is not None:
-        gas = _divide(tbs, mbs * world_size, GAS, f"train_batch_size ({tbs}) / (train_micro_batch_size_per_gpu "
-                                                    f"({mbs}) * world size ({world_size}))")
+    if tbs is not None and mbs is not None:
+        if gas is None:  # with all three given there is nothing to derive; the equation below checks them
+            gas = _divide(tbs, mbs * world_size, GAS, f"train_batch_size ({tbs}) / (train_micro_batch_size_per_gpu "
+                                                        f"({mbs}) * world size ({world_size}))")
     elif tbs is not None and gas is not None:
         mbs = _divide(tbs, gas * world_size, MBS, f"train_batch_size ({tbs}) / (gradient_accumulation_steps "
                                                     f"({gas}) * world size ({world_size}))")
