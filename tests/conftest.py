@@ -25,3 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A test that initialises torch.distributed in the pytest process itself (instead of through the
+    harness) must tear it down: a leftover default group changes what later tests see (ranks, world size)."""
+    yield
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group initialised in the pytest process; "
+                    "run multi-rank code through _harness.run_distributed, or destroy the group")
