@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _checkpoint_testing import assert_same_tensors
 
 import deepspeed.runtime.checkpointing as ckpt
 from deepspeed.runtime.checkpointing import _atomic
@@ -49,21 +50,6 @@ def train(state: ckpt.EngineState, steps: int) -> None:
         state.counters.micro_steps += 1
         state.counters.global_samples += 4
 
-
-def assert_same_tensors(a, b) -> None:
-    """Bitwise equality of nested containers of tensors."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same_tensors(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same_tensors(x, y)
-    else:
-        assert a == b
 
 
 def test_layout_keys_and_latest(tmp_path):

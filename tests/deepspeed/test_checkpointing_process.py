@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -99,20 +98,6 @@ def _run_child(*args: str, timeout: float = 60) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _assert_bitwise_equal(a, b) -> None:
-    if torch.is_tensor(a):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_bitwise_equal(x, y)
-    else:
-        assert a == b
-
 
 @pytest.fixture
 def one_thread():
@@ -124,6 +109,8 @@ def one_thread():
 
 
 def test_resume_in_a_new_process_equals_a_straight_run(tmp_path, one_thread):
+    from _checkpoint_testing import assert_same_tensors  # tests/ is on sys.path under pytest
+
     straight = _state(seed=0)
     _train(straight, 20)
     straight = _snapshot(straight)
@@ -133,24 +120,16 @@ def test_resume_in_a_new_process_equals_a_straight_run(tmp_path, one_thread):
     _run_child("resume", str(tmp_path))
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     assert resumed["steps"] == 20 and resumed["samples"] == 160
-    _assert_bitwise_equal(resumed, straight)  # weights, Adam moments, OneCycle position, RNG: bit for bit
+    assert_same_tensors(resumed, straight)  # weights, Adam moments, OneCycle position, RNG: bit for bit
 
 
 @pytest.mark.parametrize("where", ["model_states", "latest"])
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
+    from _checkpoint_testing import assert_same_tensors, sigkill_when_blocked  # tests/ is on sys.path under pytest
+
     child = subprocess.Popen([sys.executable, HERE, "killed", str(tmp_path), where],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "blocked").exists():
-            assert child.poll() is None, child.stdout.read().decode()
-            assert time.monotonic() < deadline, "the child never reached the injected kill point"
-            time.sleep(0.02)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=30)
-    assert child.returncode == -signal.SIGKILL
+    sigkill_when_blocked(child, tmp_path / "blocked", timeout=60)
     save_dir = tmp_path / "ckpt"
     assert ckpt.read_latest(save_dir) == "global_step2"
     leftovers = [name for name in os.listdir(save_dir / ("global_step3" if where == "model_states" else ""))
@@ -163,7 +142,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
     restored = _state(seed=7)
     path, _ = ckpt.load_checkpoint(restored, save_dir)
     assert path == str(save_dir / "global_step2" / "mp_rank_00_model_states.pt")
-    _assert_bitwise_equal(restored.module.state_dict(), torch.load(tmp_path / "expected.pt", weights_only=True))
+    assert_same_tensors(restored.module.state_dict(), torch.load(tmp_path / "expected.pt", weights_only=True))
     assert restored.counters.global_steps == 2
     _train(restored, 1)
     ckpt.save_checkpoint(restored, save_dir)  # the next save replaces the stale temporary and moves 'latest'

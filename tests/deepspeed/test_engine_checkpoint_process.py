@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -141,23 +140,14 @@ def _resume_body(work: str) -> dict:
 
 @pytest.mark.parametrize("where", ["model_states", "latest"])
 def test_engine_killed_during_save_keeps_the_previous_checkpoint(tmp_path, where):
+    from _checkpoint_testing import sigkill_when_blocked
     from _harness import run_distributed
 
     from deepspeed.runtime.checkpointing import read_latest
 
     child = subprocess.Popen([sys.executable, HERE, str(tmp_path), where], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while not (tmp_path / "blocked").exists():
-            assert child.poll() is None, child.stdout.read().decode()
-            assert time.monotonic() < deadline, "the child never reached the injected kill point"
-            time.sleep(0.02)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=30)
-    assert child.returncode == -signal.SIGKILL
+    sigkill_when_blocked(child, tmp_path / "blocked", timeout=90)
     save_dir = tmp_path / "ckpt"
     assert read_latest(save_dir) == "global_step2"
     if where == "model_states":
