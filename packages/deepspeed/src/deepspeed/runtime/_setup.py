@@ -39,7 +39,11 @@ class StageInputs:
 
 
 StageBuilder = Callable[[StageInputs], tuple[OptimizerWrapper, GradientReducer]]
-STAGE_BUILDERS: dict[int, str | StageBuilder] = {0: "deepspeed.runtime._setup:build_stage0"}
+STAGE_BUILDERS: dict[int, str | StageBuilder] = {
+    0: "deepspeed.runtime._setup:build_stage0",
+    1: "deepspeed.runtime._zero_setup:build_zero_stage",
+    2: "deepspeed.runtime._zero_setup:build_zero_stage",
+}
 """ZeRO stage -> its builder, or the ``"module:function"`` path of it (the ZeRO stages add rows here)."""
 
 

@@ -107,6 +107,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
                                     self.dp_world_size)
         self.optimizer, self.reducer = _setup.build_stage(inputs)
+        self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -119,6 +120,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         if self._config.scheduler is not None:  # DeepSpeed ignores it too; say so rather than stay silent
             log_dist("the config's 'scheduler' section is ignored: no optimizer (evaluation engine)", ranks=[0])
         self.basic_optimizer = self.optimizer = self.reducer = self.lr_scheduler = None
+        self.checkpoint_shards = ()
         self._hook_handles = []
 
     def _require_optimizer(self, call: str) -> None:
@@ -260,6 +262,8 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary update the weights and step the LR schedule."""
         self._require_optimizer("step")
+        if getattr(self.reducer, "coalescing", False):
+            raise RuntimeError("engine.step() was called inside coalesce_grad_reduction(); step after the block ends")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         self.timers.start(STEP)

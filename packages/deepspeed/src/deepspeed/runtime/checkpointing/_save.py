@@ -9,11 +9,12 @@ the previous checkpoint.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
 from deepspeed.__about__ import __version__
-from deepspeed.runtime.checkpointing._atomic import atomic_write_text, make_dirs
+from deepspeed.runtime.checkpointing._atomic import atomic_write, atomic_write_text, make_dirs
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
 from deepspeed.runtime.checkpointing._errors import CheckpointError
 from deepspeed.runtime.checkpointing._layout import (
@@ -88,6 +89,15 @@ def _write_rank_files(state: EngineState, ctx: ShardContext, client_state: Mappi
         make_dirs(ctx.tag_dir)
     for name, obj in files.items():
         save_file(obj, os.path.join(ctx.tag_dir, name))
+    for shard in state.shards:  # plain files (e.g. ZeRO's zero_to_fp32.py script), copied atomically
+        copies = getattr(shard, "files_to_copy", None)
+        for name, source in (copies(ctx) if copies is not None else {}).items():
+            if name in files or os.path.basename(name) != name:
+                raise CheckpointError(f"checkpoint file name {name!r} from {type(shard).__name__} is taken or not "
+                                      "a plain file name")
+            make_dirs(ctx.tag_dir)
+            with open(source, "rb") as src:
+                atomic_write(os.path.join(ctx.tag_dir, name), lambda dst, src=src: shutil.copyfileobj(src, dst))
 
 
 def _agree(meeting: Meeting | None, phase: str, error: BaseException | None, waiting_for: str, what: str) -> None:

@@ -1,0 +1,135 @@
+"""ZeRO stages 1 and 2 for the engine: ``zero_optimization`` (and the precision sections) -> a ds-zero
+``DeepSpeedZeroOptimizer`` and its reducer, plus the checkpoint extension that writes its shards.
+
+Every documented ``zero_optimization`` field is either honoured by ds-zero or rejected here with the reason
+(features that belong to stage 3, ZeRO++, MiCS, NVMe, ZenFlow).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from deepspeed.runtime._setup import StageInputs, _loss_scaler
+from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
+from ds_config import ConfigError, ConfigProblem
+
+_COMM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _problem(key: str, why: str, value: Any) -> ConfigProblem:
+    return ConfigProblem(f"zero_optimization.{key}", why, value)
+
+
+def _unsupported(zero: Any, stage: int) -> list[ConfigProblem]:
+    """Options of ``zero_optimization`` that stages 1/2 cannot honour, each with its reason."""
+    problems = []
+    stage3 = f"is a ZeRO stage 3 feature (this config uses stage {stage}); accepted here"
+    off = zero.offload_optimizer
+    if off is not None and str(off.device).endswith("nvme"):
+        problems.append(_problem("offload_optimizer.device", f"NVMe optimizer offload {stage3}: none or cpu",
+                                 "nvme"))
+    if off is not None and float(off.ratio) != 1.0:
+        problems.append(_problem("offload_optimizer.ratio", f"partial optimizer offload {stage3}: 1.0", off.ratio))
+    if off is not None and off.super_offload:
+        problems.append(_problem("offload_optimizer.super_offload", f"SuperOffload {stage3}: false", True))
+    par = zero.offload_param
+    if par is not None and not str(par.device).endswith("none"):
+        problems.append(_problem("offload_param.device", f"parameter offload {stage3}: none", str(par.device)))
+    for key, value, accepted in (("zero_quantized_weights", zero.zero_quantized_weights, False),
+                                 ("zero_quantized_gradients", zero.zero_quantized_gradients, False),
+                                 ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights,
+                                  False),
+                                 ("zero_hpz_partition_size", zero.zero_hpz_partition_size, 1),
+                                 ("mics_shard_size", zero.mics_shard_size, -1)):
+        if value != accepted and not (key == "mics_shard_size" and value == 0):
+            problems.append(_problem(key, f"ZeRO++/MiCS {stage3}: {accepted}", value))
+    if zero.zenflow is not None:
+        problems.append(_problem("zenflow", "ZenFlow is not available in this version; accepted: null", "{...}"))
+    if zero.legacy_stage1:
+        problems.append(_problem("legacy_stage1", "the legacy stage 1 implementation is not available; "
+                                 "accepted: false", True))
+    return problems
+
+
+def _grad_accum_fp32(config: Any) -> bool:
+    dtype = config.data_types.grad_accum_dtype
+    if dtype is None or dtype == config.precision:
+        return False
+    if dtype in ("fp32", "float32", "float"):
+        return config.precision in ("fp16", "bf16")
+    raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", "cannot accumulate "
+                                    f"{config.precision} gradients in this dtype; accepted: fp32 or the training "
+                                    f"dtype ({config.precision})", dtype))
+
+
+def _comm_dtype(config: Any) -> torch.dtype | None:
+    name = config.communication_data_type
+    if name is not None:
+        if name not in _COMM:
+            raise ConfigError(ConfigProblem("communication_data_type", "not usable for ZeRO gradient reduction; "
+                                            "accepted: fp32, fp16, bf16", name))
+        return _COMM[name]
+    return torch.float32 if config.fp32_allreduce else None
+
+
+def zero_settings(config: Any) -> Any:
+    """The ds-zero settings of a ZeRO stage 1/2 config (raises ``ConfigError`` listing every unsupported option)."""
+    from ds_zero.stage_1_and_2 import ReduceSettings, ZeroSettings
+
+    zero, stage = config.zero_optimization, config.zero_stage
+    problems = _unsupported(zero, stage)
+    if config.amp_enabled:
+        problems.append(ConfigProblem("amp.enabled", "NVIDIA Apex AMP is not available with ZeRO; use \"bf16\" or "
+                                      "\"fp16\"", True))
+    if problems:
+        raise ConfigError(*problems)
+    off = zero.offload_optimizer
+    offload = "cpu" if off is not None and str(off.device).endswith("cpu") else None
+    reduce = ReduceSettings(
+        bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
+        contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
+        use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
+        ignore_unused_parameters=bool(zero.ignore_unused_parameters), comm_dtype=_comm_dtype(config),
+        prescale_gradients=bool(config.prescale_gradients),
+        gradient_predivide_factor=float(config.gradient_predivide_factor))
+    check = config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
+    return ZeroSettings(stage=stage, reduce=reduce, allgather_bucket_numel=int(zero.allgather_bucket_size),
+                        allgather_partitions=bool(zero.allgather_partitions),
+                        round_robin_gradients=bool(zero.round_robin_gradients),
+                        load_from_fp32_weights=bool(zero.load_from_fp32_weights),
+                        clip=float(config.gradient_clipping), check_overflow=bool(check),
+                        fp32_grad_accum=_grad_accum_fp32(config), offload_device=offload,
+                        pin_memory=bool(off.pin_memory) if offload else False)
+
+
+def _check_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> None:
+    if not config.zero_force_ds_cpu_optimizer:
+        return
+    if "fp16_param_groups" not in inspect.signature(optimizer.step).parameters:
+        why = (f"offload_optimizer.device=cpu steps on the CPU, and {type(optimizer).__name__} is not a DeepSpeed "
+               "CPU optimizer (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion); use one, let the config's "
+               "'optimizer' section build it, or set zero_force_ds_cpu_optimizer to false")
+        raise ConfigError(ConfigProblem("zero_force_ds_cpu_optimizer", why, True))
+
+
+def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
+    """Stage 1 or 2 (``inputs.config.zero_stage``): the partitioned optimizer wrapper and its reducer."""
+    from deepspeed.__about__ import __version__
+    from ds_zero.checkpoint import ZeroCheckpointShards
+    from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    config = inputs.config
+    settings = zero_settings(config)
+    if settings.offload_device == "cpu":
+        _check_offload_optimizer(inputs.basic_optimizer, config)
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, p in inputs.module.named_parameters():
+        names.setdefault(p, name)
+    wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
+                                     loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group)
+    wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__),)
+    return wrapper, wrapper.reducer
+

@@ -1,0 +1,87 @@
+"""One optimizer parameter group under ZeRO stage 1/2: its flat low-precision buffer, fp32 master partition
+and gradient partition.
+
+The model's parameters become views into one flat buffer per group (``lp_flat``, the model dtype, laid out by
+a :class:`~ds_zero.partition.FlatLayout`), so gathering the updated partitions rewrites every parameter in
+place with no per-parameter copies. This rank keeps only its partition of the fp32 master weights
+(``master``, the tensor the wrapped torch optimizer steps, on the CPU with offload) and of the gradients
+(``grad_partition``: the model dtype, or fp32 with fp32 gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_zero.partition import FlatLayout, Fragment, round_robin_order
+
+
+class FlatGroup:
+    """Buffers of one parameter group; ``params`` and ``names`` are in flat (layout) order."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int, rank: int,
+                 grad_dtype: torch.dtype, master_device: torch.device, round_robin: bool = False,
+                 pin_memory: bool = False) -> None:
+        if round_robin:
+            order = round_robin_order([p.numel() for p in params], world_size)
+            params, names = [params[i] for i in order], [names[i] for i in order]
+        self.params = params
+        self.names = names
+        self.rank = rank
+        self.layout = FlatLayout([p.numel() for p in params], world_size)
+        self.own: list[Fragment] = self.layout.fragments(rank)
+        device = params[0].device if params else torch.device("cpu")
+        dtype = params[0].dtype if params else torch.float32
+        self.lp_flat = self._flatten_params(device, dtype)
+        start, end = self.layout.partition_range(rank)
+        self.lp_partition = self.lp_flat[start:end]
+        master = self.lp_partition.detach().to(master_device, torch.float32, copy=True)
+        if pin_memory and master_device.type == "cpu" and torch.cuda.is_available():
+            master = master.pin_memory()
+        self.master = torch.nn.Parameter(master)
+        self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=grad_dtype, device=device)
+
+    def _flatten_params(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, offset in zip(self.params, self.layout.offsets, strict=True):
+                if p.dtype != dtype or p.device != device:
+                    raise ValueError(f"ZeRO: parameter of shape {tuple(p.shape)} is {p.dtype} on {p.device}; every "
+                                     f"parameter of an optimizer group must share {dtype} on {device}")
+                view = flat[offset:offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+        return flat
+
+    def index_of(self, param: torch.nn.Parameter) -> int:
+        for i, p in enumerate(self.params):
+            if p is param:
+                return i
+        raise KeyError("parameter is not in this group")
+
+    # ---- copies between the partitions --------------------------------------------------------------
+    def copy_master_to_lp(self) -> None:
+        """Write the updated fp32 master partition into this rank's slice of the model weights."""
+        with torch.no_grad():
+            self.lp_partition.copy_(self.master.detach(), non_blocking=True)
+
+    def sync_master_from_lp(self) -> None:
+        """Refresh the master partition from the model weights (after loading weights only)."""
+        with torch.no_grad():
+            self.master.data.copy_(self.lp_partition)
+
+    def collect_local_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Fill the gradient partition from full local gradients (``grads`` aligned with ``params``): the
+        single-rank path, and stage 1 steps whose gradients were never reduced (``no_sync`` at the boundary)."""
+        self.grad_partition.zero_()
+        for frag in self.own:
+            grad = grads[frag.index]
+            if grad is not None:
+                src = grad.reshape(-1).narrow(0, frag.tensor_offset, frag.numel)
+                self.grad_partition.narrow(0, frag.partition_offset, frag.numel).copy_(src)
+
+    def fp32_grad(self) -> torch.Tensor:
+        """The gradient partition as fp32 on the master's device (the buffer itself when it already is)."""
+        gp = self.grad_partition
+        if gp.dtype == torch.float32 and gp.device == self.master.device:
+            return gp
+        return gp.to(self.master.device, torch.float32, non_blocking=True)

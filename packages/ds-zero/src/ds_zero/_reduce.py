@@ -1,0 +1,251 @@
+"""Gradient averaging into partitions for ZeRO stages 1 and 2 (the engine's ``GradientReducer``).
+
+Gradients are packed into fixed buckets of about ``reduce_bucket_size`` elements, in reverse parameter order
+(the order backward produces them). A bucket is sent as soon as all its gradients have landed, strictly in
+bucket order so every rank issues the same collectives in the same order; with ``overlap_comm`` the
+collective runs asynchronously while backward continues, otherwise each bucket is waited for at once.
+``finish()`` waits for every bucket and adds this rank's slices of the averaged gradients into the groups'
+gradient partitions. How a bucket travels:
+- ``reduce_scatter`` with ``use_multi_rank_bucket_allreduce`` (the defaults) and ``reduce_scatter: false``:
+  one all-reduce per bucket (a bucket spans partitions of several ranks; on gloo an all-reduce is also
+  faster than a reduce-scatter, 23 ms against 33 ms for 6M fp32 elements on 2 CPU ranks);
+- ``reduce_scatter`` without ``use_multi_rank_bucket_allreduce``: one ``reduce`` to each owning rank per
+  contiguous run of the bucket it owns (DeepSpeed's per-rank reduce).
+Stage 2 (``every_micro_step``) reduces after every backward and frees each parameter's ``.grad`` as soon as
+it is packed (only the partition persists); stage 1 reduces at the accumulation boundary only.
+``contiguous_gradients`` keeps the bucket buffers allocated between backward passes (no allocation in the
+hot path); without it each bucket is allocated when it starts filling and freed after its reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_zero._flat_group import FlatGroup
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """The gradient-communication part of the config, resolved (element counts, dtypes, factors)."""
+
+    bucket_numel: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    use_multi_rank_bucket_allreduce: bool = True
+    ignore_unused_parameters: bool = True
+    comm_dtype: torch.dtype | None = None
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+        self.params = params
+        self.offsets = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel, self.dtype, self.device = total, dtype, device
+        self.flat: torch.Tensor | None = None
+        self.ready: set[int] = set()
+        self.works: list[Any] = []
+
+    def buffer(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self.flat
+
+    def slice(self, i: int) -> torch.Tensor:
+        return self.buffer().narrow(0, self.offsets[i], self.params[i].numel())
+
+
+class PartitionedReducer:
+    """Averages gradients over the data-parallel group into each ``FlatGroup.grad_partition``."""
+
+    def __init__(self, params: list[torch.nn.Parameter], groups: list[FlatGroup], get_grad: Callable,
+                 settings: ReduceSettings, process_group: Any, world_size: int, stage: int) -> None:
+        self.every_micro_step = stage >= 2
+        self.settings = settings
+        self.group = process_group
+        self.world = world_size
+        self.get_grad = get_grad
+        self.free_grads = stage >= 2
+        self.home = {p: (g, fg.index_of(p)) for g, fg in enumerate(groups) for p in fg.params}
+        self.groups = groups
+        self.params = [p for p in params if p in self.home]
+        self.buckets = self._plan(self.params)
+        self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
+        self.next_launch = 0
+        self.coalescing = False
+        self._pending_flush = False
+        self.reduced = False  # the partitions hold this window's averaged gradients
+
+    def _plan(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel()
+            if size >= self.settings.bucket_numel:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+        out = []
+        for members in buckets:  # split by communication dtype, keeping the order
+            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+            for p in members:
+                by_dtype.setdefault(self._comm_dtype(p), []).append(p)
+            out.extend(_Bucket(ps, dtype, ps[0].device) for dtype, ps in by_dtype.items())
+        if self.settings.contiguous_gradients:
+            for bucket in out:
+                bucket.buffer()
+        return out
+
+    def _comm_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
+        g, _ = self.home[p]
+        return self.settings.comm_dtype or self.groups[g].grad_partition.dtype
+
+    # ---- GradientReducer --------------------------------------------------------------------------------
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        if self.coalescing or param not in self.where:
+            return
+        b, i = self.where[param]
+        if b < self.next_launch:
+            raise RuntimeError(f"a gradient of a parameter of shape {tuple(param.shape)} arrived twice in one "
+                               "backward pass after it was sent for reduction (a parameter used both inside and "
+                               "outside reentrant activation checkpointing?); use use_reentrant=False")
+        bucket = self.buckets[b]
+        self._fill(bucket, i)
+        bucket.ready.add(i)
+        while self.next_launch < len(self.buckets):
+            nxt = self.buckets[self.next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+            self.next_launch += 1
+
+    def _fill(self, bucket: _Bucket, i: int) -> bool:
+        """Pack parameter ``i``'s gradient (zeros when it has none); True when it had one."""
+        p = bucket.params[i]
+        grad = self.get_grad(p)
+        dst = bucket.slice(i)
+        if grad is None:
+            dst.zero_()
+            return False
+        dst.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        if self.free_grads:
+            p.grad = None
+        return True
+
+    def _launch(self, bucket: _Bucket) -> None:
+        s = self.settings
+        flat = bucket.buffer()
+        pre = 1.0 / self.world if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
+        if pre != 1.0:
+            flat.mul_(pre)
+        if self.world > 1:
+            if s.reduce_scatter and not s.use_multi_rank_bucket_allreduce:
+                bucket.works = self._reduce_to_owners(bucket)
+            else:
+                bucket.works = [dist.all_reduce(flat, group=self.group, async_op=True)]
+            if not s.overlap_comm:
+                self._wait(bucket)
+
+    def _reduce_to_owners(self, bucket: _Bucket) -> list[Any]:
+        runs: list[tuple[int, int, int]] = []  # (owner, start in bucket, numel), merged when contiguous
+        for i, p in enumerate(bucket.params):
+            g, j = self.home[p]
+            for owner, frag in self.groups[g].layout.owners(j):
+                start = bucket.offsets[i] + frag.tensor_offset
+                if runs and runs[-1][0] == owner and runs[-1][1] + runs[-1][2] == start:
+                    runs[-1] = (owner, runs[-1][1], runs[-1][2] + frag.numel)
+                else:
+                    runs.append((owner, start, frag.numel))
+        flat = bucket.buffer()
+        works = []
+        for owner, start, numel in runs:
+            dst = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+            works.append(dist.reduce(flat[start:start + numel], dst=dst, group=self.group, async_op=True))
+        return works
+
+    @staticmethod
+    def _wait(bucket: _Bucket) -> None:
+        for work in bucket.works:
+            work.wait()
+        bucket.works = []
+
+    def finish(self) -> None:
+        """Send what is left, wait, add this rank's slices into the gradient partitions."""
+        if self.coalescing:
+            self._pending_flush = True
+            return
+        unused = []
+        for bucket in self.buckets[self.next_launch:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready and not self._fill(bucket, i):
+                    unused.append(bucket.params[i])
+            self._launch(bucket)
+        self.next_launch = 0
+        s = self.settings
+        post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / self.world
+        for bucket in self.buckets:
+            self._wait(bucket)
+            flat = bucket.buffer()
+            if post != 1.0:
+                flat.mul_(post)
+            self._write_back(bucket)
+            bucket.ready.clear()
+            if not s.contiguous_gradients:
+                bucket.flat = None
+        self.reduced = True
+        if unused and self.every_micro_step and not s.ignore_unused_parameters:
+            raise RuntimeError(f"ZeRO stage 2: {len(unused)} parameter(s) received no gradient in this backward "
+                               f"(shapes {[tuple(p.shape) for p in unused[:5]]}); set "
+                               "zero_optimization.ignore_unused_parameters to true to allow unused parameters")
+
+    def _write_back(self, bucket: _Bucket) -> None:
+        dsts, srcs = [], []
+        for i, p in enumerate(bucket.params):
+            g, j = self.home[p]
+            fg = self.groups[g]
+            for owner, frag in fg.layout.owners(j):
+                if owner == fg.rank:
+                    dsts.append(fg.grad_partition.narrow(0, frag.partition_offset, frag.numel))
+                    srcs.append(bucket.slice(i).narrow(0, frag.tensor_offset, frag.numel))
+        if not dsts:
+            return
+        if all(d.dtype == s.dtype for d, s in zip(dsts, srcs, strict=True)):
+            torch._foreach_add_(dsts, srcs)
+        else:
+            for d, s in zip(dsts, srcs, strict=True):
+                d.add_(s)
+
+    # ---- coalesce_grad_reduction ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def coalesce(self) -> Iterator[None]:
+        """One reduction for every backward inside the block, at its end (gradients stay in ``.grad`` until
+        then). Stage 1 flushes only when a boundary backward ran inside the block."""
+        if self.coalescing:
+            raise RuntimeError("coalesce_grad_reduction() cannot be nested")
+        self.coalescing, self._pending_flush = True, False
+        try:
+            yield
+        finally:
+            self.coalescing = False
+        if self._pending_flush:
+            self._pending_flush = False
+            for p in self.params:
+                self.grad_ready(p)
+            self.finish()
+
+    def reset(self) -> None:
+        """Start a new accumulation window (called by the optimizer's ``zero_grad``)."""
+        self.reduced = False

@@ -1,0 +1,124 @@
+"""The ZeRO stage 1/2 optimizer state dict (DeepSpeed's keys) and restoring it, also onto another world size.
+
+Each rank saves its fp32 master partition per group (``single_partition_of_fp32_groups``), the wrapped
+optimizer's state dict over those partitions (``base_optimizer_state``: one flat tensor per group, so state
+key ``g`` is group ``g``), the loss scaler, and ``zero_layout`` (per group: parameter names and sizes in flat
+order and the alignment). With the layouts, every saved rank's partitions can be concatenated into each
+group's full flat vector and cut again for any new world size, matching parameters by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ds_zero.partition import FlatLayout
+
+FP32_GROUPS = "single_partition_of_fp32_groups"
+BASE_STATE = "base_optimizer_state"
+
+
+def partitioned_state_dict(opt: Any) -> dict[str, Any]:
+    """This rank's share of the optimizer state (``opt``: a ``DeepSpeedZeroOptimizer``)."""
+    scaler = opt.loss_scaler
+    last = opt.rank == opt.world - 1
+    return {
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "dynamic_loss_scale": bool(scaler is not None and hasattr(scaler, "scale_window")),
+        "overflow": bool(opt.overflow),
+        "clip_grad": float(opt.settings.clip),
+        BASE_STATE: opt.optimizer.state_dict(),
+        FP32_GROUPS: [fg.master.detach() for fg in opt.groups],
+        "zero_stage": int(opt.settings.stage),
+        "group_paddings": [fg.layout.padding if last else 0 for fg in opt.groups],
+        "partition_count": [opt.world] * len(opt.groups),
+        "zero_layout": [{"names": list(fg.names), "numels": list(fg.layout.numels),
+                         "alignment": fg.layout.alignment} for fg in opt.groups],
+    }
+
+
+def _check(opt: Any, states: Sequence[dict[str, Any]]) -> None:
+    for i, sd in enumerate(states):
+        if not isinstance(sd, dict) or FP32_GROUPS not in sd or BASE_STATE not in sd:
+            keys = sorted(sd)[:10] if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"ZeRO optimizer state {i} is not a ZeRO stage 1/2 state (no '{FP32_GROUPS}'/"
+                             f"'{BASE_STATE}'; found {keys})")
+        if len(sd[FP32_GROUPS]) != len(opt.groups):
+            raise ValueError(f"ZeRO optimizer state has {len(sd[FP32_GROUPS])} parameter groups; this optimizer "
+                             f"has {len(opt.groups)}")
+
+
+def load_partitioned_state(opt: Any, states: Sequence[dict[str, Any]], same_layout: bool) -> None:
+    """Restore ``opt`` from ``states``: this rank's own state (``same_layout``) or every saved rank's, in rank
+    order (re-partitioned for this world size)."""
+    _check(opt, states)
+    first = states[0]
+    if opt.loss_scaler is not None and first.get("loss_scaler") is not None:
+        opt.loss_scaler.load_state_dict(first["loss_scaler"])
+    if same_layout:
+        for g, (fg, master) in enumerate(zip(opt.groups, first[FP32_GROUPS], strict=True)):
+            if master.numel() != fg.layout.partition_numel:
+                raise ValueError(f"ZeRO optimizer state: group {g}'s saved fp32 partition has {master.numel()} "
+                                 f"elements, this rank's has {fg.layout.partition_numel} (a different model or "
+                                 "world size; load every rank's state to re-partition)")
+        masters, base = list(first[FP32_GROUPS]), first[BASE_STATE]
+    else:
+        masters, base = _repartition(opt, states)
+    opt.optimizer.load_state_dict(base)
+    with torch.no_grad():
+        for fg, master in zip(opt.groups, masters, strict=True):
+            if opt.settings.load_from_fp32_weights:
+                fg.master.data.copy_(master)
+                fg.copy_master_to_lp()
+            else:  # the module's (already loaded) 16-bit weights are the source of truth
+                fg.sync_master_from_lp()
+
+
+def _old_layout(states: Sequence[dict[str, Any]], g: int) -> tuple[FlatLayout, list[str]]:
+    info = states[0].get("zero_layout")
+    if info is None:
+        raise ValueError("ZeRO optimizer state has no 'zero_layout' (parameter names per group), so it cannot be "
+                         "re-partitioned for a different world size; load it with the world size it was saved with")
+    entry = info[g]
+    return FlatLayout(entry["numels"], len(states), entry["alignment"]), list(entry["names"])
+
+
+def _remap(fg: Any, full: torch.Tensor, old: FlatLayout, old_names: list[str], g: int) -> torch.Tensor:
+    """This rank's new partition, cut from the old full flat vector ``full`` by parameter name."""
+    where = {name: (old.offsets[i], old.numels[i]) for i, name in enumerate(old_names)}
+    missing = [n for n in fg.names if n not in where]
+    extra = [n for n in old_names if n not in set(fg.names)]
+    if missing or extra:
+        raise ValueError(f"ZeRO optimizer state, group {g}: parameters {missing[:5]} are not in the checkpoint and "
+                         f"{extra[:5]} of the checkpoint are not in the model")
+    out = torch.zeros(fg.layout.partition_numel, dtype=full.dtype)
+    for frag in fg.own:
+        offset, numel = where[fg.names[frag.index]]
+        if numel != fg.layout.numels[frag.index]:
+            raise ValueError(f"ZeRO optimizer state: parameter {fg.names[frag.index]} has {numel} elements in the "
+                             f"checkpoint and {fg.layout.numels[frag.index]} in the model")
+        out[frag.partition_offset:frag.partition_offset + frag.numel] = \
+            full[offset + frag.tensor_offset:offset + frag.tensor_offset + frag.numel]
+    return out
+
+
+def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    masters = []
+    new_state: dict[int, dict[str, Any]] = {}
+    for g, fg in enumerate(opt.groups):
+        old, names = _old_layout(states, g)
+        full = torch.cat([sd[FP32_GROUPS][g].reshape(-1).float() for sd in states])
+        masters.append(_remap(fg, full, old, names, g))
+        group_state = {}
+        for key, value in states[0][BASE_STATE]["state"].get(g, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == old.partition_numel and value.dim() == 1:
+                full_state = torch.cat([sd[BASE_STATE]["state"][g][key].reshape(-1) for sd in states])
+                group_state[key] = _remap(fg, full_state, old, names, g)
+            else:
+                group_state[key] = value
+        if group_state:
+            new_state[g] = group_state
+    base = {"state": new_state, "param_groups": states[0][BASE_STATE]["param_groups"]}
+    return masters, base

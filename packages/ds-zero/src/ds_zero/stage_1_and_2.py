@@ -1,0 +1,242 @@
+"""ZeRO stages 1 and 2: fp32 master weights, optimizer states and (stage 2) gradients partitioned across the
+data-parallel group.
+
+:class:`DeepSpeedZeroOptimizer` is the engine's ``OptimizerWrapper``: each optimizer parameter group becomes
+one :class:`~ds_zero._flat_group.FlatGroup` (the model's parameters turn into views of a flat buffer, this rank
+keeps its partition of fp32 masters and gradients), and the wrapped torch optimizer steps only this rank's
+fp32 partition (one flat tensor per group, so any elementwise torch optimizer works and per-group
+hyper-parameters and LR schedules keep working). A step: averaged gradient partitions (from the
+:class:`~ds_zero._reduce.PartitionedReducer`) -> global norm across partitions (one scalar all-reduce; inf/nan
+is an overflow on every rank) -> unscale and clip -> update -> write the new values into the model weights
+and gather every rank's partition. With ``offload_optimizer.device = cpu`` the masters and optimizer states
+live in CPU memory and ds-ops' ``DeepSpeedCPUAdam`` writes the updated low-precision weights in the same pass.
+
+The memory estimators live in ``ds_zero.estimate`` and are re-exported here, at DeepSpeed's module path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_zero._flat_group import FlatGroup
+from ds_zero._gather import gather_method, gather_partitions
+from ds_zero._reduce import PartitionedReducer, ReduceSettings
+from ds_zero._state import load_partitioned_state, partitioned_state_dict
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """Resolved ``zero_optimization`` options plus the precision options a ZeRO optimizer needs."""
+
+    stage: int = 1
+    reduce: ReduceSettings = field(default_factory=ReduceSettings)
+    allgather_bucket_numel: int = 500_000_000
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    load_from_fp32_weights: bool = True
+    clip: float = 0.0
+    check_overflow: bool = False
+    fp32_grad_accum: bool = False
+    offload_device: str | None = None
+    pin_memory: bool = False
+
+
+def _is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    return "fp16_param_groups" in inspect.signature(optimizer.step).parameters
+
+
+class DeepSpeedZeroOptimizer:
+    """ZeRO stage 1/2 optimizer wrapper around ``init_optimizer`` (a torch optimizer over model parameters).
+
+    ``names``: parameter -> name (for checkpoints); ``params``: the trainable parameters in model order
+    (the reducer buckets them in reverse); ``loss_scaler``: an object with ``loss_scale``,
+    ``update_scale(overflow)`` and ``state_dict``/``load_state_dict``, or None.
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                 names: dict[torch.nn.Parameter, str], settings: ZeroSettings, loss_scaler: Any = None,
+                 dp_group: Any = None) -> None:
+        self.optimizer = init_optimizer
+        self.settings = settings
+        self.loss_scaler = loss_scaler
+        self.dp_group = dp_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(dp_group) if distributed else 1
+        self.rank = dist.get_rank(dp_group) if distributed else 0
+        self.global_grad_norm: float | None = None
+        self.overflow = False
+        self._cpu_adam = settings.offload_device == "cpu" and _is_ds_cpu_optimizer(init_optimizer)
+        self.groups = self._build_groups(names)
+        self.home = {p: (g, fg.index_of(p)) for g, fg in enumerate(self.groups) for p in fg.params}
+        self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.reducer = PartitionedReducer(params, self.groups, self.get_grad, settings.reduce, dp_group,
+                                          self.world, settings.stage)
+        self._gather = gather_method(dp_group, settings.allgather_partitions) if self.world > 1 else "none"
+
+    def _build_groups(self, names: dict[torch.nn.Parameter, str]) -> list[FlatGroup]:
+        s = self.settings
+        groups = []
+        seen: set[torch.nn.Parameter] = set()
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if p.requires_grad and p not in seen]
+            seen.update(params)
+            missing = [tuple(p.shape) for p in params if p not in names]
+            if missing:
+                raise ValueError(f"ZeRO: optimizer parameters of shapes {missing[:5]} are not parameters of the model")
+            low = params[0].dtype if params else torch.float32
+            grad_dtype = torch.float32 if s.fp32_grad_accum else low
+            device = torch.device("cpu") if s.offload_device == "cpu" else (params[0].device if params else
+                                                                              torch.device("cpu"))
+            fg = FlatGroup(params, [names[p] for p in params], self.world, self.rank, grad_dtype, device,
+                           round_robin=s.round_robin_gradients, pin_memory=s.pin_memory)
+            group["params"] = [fg.master]
+            groups.append(fg)
+        self.optimizer.state.clear()  # state keyed by the model's tensors would no longer match
+        return groups
+
+    # ---- the engine's view ----------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scale
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.loss_scaler is not None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def partition_gradients(self) -> bool:
+        return self.settings.stage >= 2
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.loss_scaler is not None else loss
+
+    def _accumulates(self, param: torch.nn.Parameter) -> bool:
+        """Stage 1 keeps full gradients: with fp32 accumulation they are summed into an fp32 buffer."""
+        return self.settings.fp32_grad_accum and self.settings.stage == 1 and param.dtype != torch.float32
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        if param.grad is None or param not in self.home or not self._accumulates(param):
+            return
+        acc = self._acc.get(param)
+        if acc is None:
+            self._acc[param] = param.grad.to(torch.float32)
+        else:
+            acc.add_(param.grad)
+        param.grad = None
+
+    def get_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        return self._acc.get(param) if self._accumulates(param) else param.grad
+
+    def set_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self._accumulates(param):
+            self._acc[param] = grad.to(torch.float32)
+        else:
+            param.grad = grad.to(param.dtype)
+
+    def grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        return torch.float32 if self._accumulates(param) else param.dtype
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def _ensure_partitions(self) -> None:
+        """Gradients not reduced into the partitions in this window (one rank; stage 1 under ``no_sync`` at the
+        boundary) are taken from the local full gradients."""
+        if not self.reducer.reduced:
+            for fg in self.groups:
+                fg.collect_local_grads([self.get_grad(p) for p in fg.params])
+            self.reducer.reduced = True
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        device = grads[0].device if grads else torch.device("cpu")
+        sumsq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                sumsq += torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).to(device) ** 2
+        if self.world > 1:
+            if dist.get_backend(self.dp_group) == "nccl" and sumsq.device.type == "cpu":
+                sumsq = sumsq.cuda()
+            dist.all_reduce(sumsq, group=self.dp_group)
+        return math.sqrt(float(sumsq))
+
+    def step(self) -> bool:
+        """Unscale, skip on overflow (every rank sees the same global norm), clip, update, gather weights."""
+        self._ensure_partitions()
+        grads = [fg.fp32_grad() for fg in self.groups]
+        scale = self.loss_scale
+        norm = self._global_norm(grads) / scale
+        self.overflow = self.settings.check_overflow and not math.isfinite(norm)
+        if self.overflow:
+            self.global_grad_norm = None
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            self.zero_grad()
+            return False
+        self.global_grad_norm = norm
+        coef = 1.0 / scale
+        if self.settings.clip > 0 and norm > self.settings.clip:
+            coef *= self.settings.clip / (norm + 1e-6)
+        for fg, g in zip(self.groups, grads, strict=True):
+            if coef != 1.0:
+                g.mul_(coef)
+            fg.master.grad = g
+        self._update()
+        for fg in self.groups:
+            fg.master.grad = None
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def _update(self) -> None:
+        if self._cpu_adam:  # update-and-copy: the kernel writes the new low-precision weights in its pass
+            self.optimizer.step(fp16_param_groups=[[fg.lp_partition] for fg in self.groups])
+        else:
+            self.optimizer.step()
+            for fg in self.groups:
+                fg.copy_master_to_lp()
+        self.all_gather_params()
+
+    def all_gather_params(self) -> None:
+        """Give every rank every partition of the updated weights (collective)."""
+        for fg in self.groups:
+            gather_partitions(fg.lp_flat, fg.layout, self.rank, self.dp_group, self._gather,
+                              self.settings.allgather_bucket_numel)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for fg in self.groups:
+            fg.grad_partition.zero_()
+            for p in fg.params:
+                p.grad = None
+        self._acc.clear()
+        self.reducer.reset()
+
+    def sync_master_from_model(self) -> None:
+        for fg in self.groups:
+            fg.sync_master_from_lp()
+
+    # ---- checkpoint state (DeepSpeed's stage 1/2 optimizer state dict) --------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return partitioned_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Restore from this rank's saved state (same world size), or from every saved rank's state (a list,
+        any world size: the fp32 partitions and optimizer states are re-partitioned by parameter name)."""
+        load_partitioned_state(self, state_dict if isinstance(state_dict, list) else [state_dict],
+                               same_layout=not isinstance(state_dict, list))
+        self.all_gather_params()
