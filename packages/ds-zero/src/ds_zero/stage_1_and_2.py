@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ds_zero._flat_group import FlatGroup
 from ds_zero._gather import gather_method, gather_partitions
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
+from ds_zero._registry import register
 from ds_zero._state import load_partitioned_state, partitioned_state_dict
 
 
@@ -78,6 +79,7 @@ class DeepSpeedZeroOptimizer:
         self.reducer = PartitionedReducer(params, self.groups, self.get_grad, settings.reduce, dp_group,
                                           self.world, settings.stage)
         self._gather = gather_method(dp_group, settings.allgather_partitions) if self.world > 1 else "none"
+        register(self, list(self.home))
 
     def _build_groups(self, names: dict[torch.nn.Parameter, str]) -> list[FlatGroup]:
         s = self.settings

@@ -1,0 +1,25 @@
+"""Which ZeRO optimizer owns a model parameter (for the ``safe_*`` debug APIs and ``offload_states``).
+
+A weak mapping, so a discarded engine's optimizer is not kept alive by its parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Parameter, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+
+
+def register(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+    ref = weakref.ref(optimizer)
+    for p in params:
+        _OWNERS[p] = ref
+
+
+def owner_of(param: torch.nn.Parameter) -> Any | None:
+    """The live ZeRO optimizer that partitions ``param``, or None."""
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
