@@ -35,4 +35,8 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.ops.lamb": "ds_ops.lamb",
     "deepspeed.ops.lamb.fused_lamb": "ds_ops.lamb.fused_lamb",
     "deepspeed.ops.op_builder": "ds_ops.op_builder",
+    # ZeRO (ds-zero, issue 7)
+    "deepspeed.runtime.zero.stage_1_and_2": "ds_zero.stage_1_and_2",
+    "deepspeed.runtime.zero.stage3": "ds_zero.stage3",
+    "deepspeed.utils.zero_to_fp32": "ds_zero.zero_to_fp32",
 }

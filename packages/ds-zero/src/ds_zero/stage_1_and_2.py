@@ -29,6 +29,22 @@ from ds_zero._gather import gather_method, gather_partitions
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
 from ds_zero._registry import register
 from ds_zero._state import load_partitioned_state, partitioned_state_dict
+from ds_zero.estimate import (  # DeepSpeed's module path for the ZeRO-2 estimators
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+)
+from ds_zero.estimate import zero2_model_to_params as model_to_params
+
+__all__ = [
+    "DeepSpeedZeroOptimizer",
+    "ReduceSettings",
+    "ZeroSettings",
+    "estimate_zero2_model_states_mem_needs",
+    "estimate_zero2_model_states_mem_needs_all_cold",
+    "estimate_zero2_model_states_mem_needs_all_live",
+    "model_to_params",
+]
 
 
 @dataclass(frozen=True)

@@ -380,6 +380,30 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         return checkpointing.save_16bit_model(self, save_dir, save_filename,
                                               exclude_frozen_parameters=exclude_frozen_parameters)
 
+    # ---- ZeRO state placement (ds_zero.offload_states) ---------------------------------------------------
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move the ZeRO optimizer's states (``include``: ``OffloadStateTypeEnum`` members, default all) to
+        ``device`` (CPU) until ``reload_states()``."""
+        from ds_zero.offload_states import offload_states
+
+        self._require_zero("offload_states")
+        offload_states(self.optimizer, include=include, device=device, pin_memory=pin_memory,
+                       non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move the states moved by ``offload_states`` back to their devices."""
+        from ds_zero.offload_states import reload_states
+
+        self._require_zero("reload_states")
+        reload_states(self.optimizer, non_blocking=non_blocking)
+
+    def _require_zero(self, call: str) -> None:
+        if self.zero_optimization_stage() == 0 or self.optimizer is None:
+            raise RuntimeError(f"engine.{call}() needs a ZeRO optimizer (zero_optimization.stage 1-3); this engine "
+                               f"runs stage {self.zero_optimization_stage()}"
+                               f"{'' if self.optimizer is not None else ' without an optimizer'}")
+
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None) -> None:
         """``torch.compile`` the wrapped module in place (backend/kwargs default to the ``compile`` section)."""
         section = self._config.compile

@@ -1,8 +1,38 @@
-"""``deepspeed.utils``: the ``DeepSpeed`` logger and small helpers.
+"""``deepspeed.utils``: the ``DeepSpeed`` logger and small helpers, and ZeRO's debug/modification APIs.
 
-Submodules: ``logging`` (logger, ``log_dist``), ``comms_logging`` (the ``comms_logger`` records).
+Submodules: ``logging`` (logger, ``log_dist``), ``comms_logging`` (the ``comms_logger`` records),
+``zero_to_fp32`` (ds-zero's checkpoint converter). The ``safe_*`` functions come from ``ds_zero.debug`` and
+are imported on first use, so ``import deepspeed`` stays free of torch.
 """
+
+from typing import Any
 
 from deepspeed.utils.logging import log_dist, logger
 
-__all__ = ["log_dist", "logger"]
+_ZERO_DEBUG = (
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "safe_set_full_grad",
+    "safe_update_full_grad_vectorized",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+)
+
+__all__ = ["log_dist", "logger", *_ZERO_DEBUG]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ZERO_DEBUG:
+        import ds_zero.debug
+
+        value = getattr(ds_zero.debug, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'deepspeed.utils' has no attribute {name!r}")
