@@ -71,12 +71,14 @@ class PartitionedReducer:
     """Averages gradients over the data-parallel group into each ``FlatGroup.grad_partition``."""
 
     def __init__(self, params: list[torch.nn.Parameter], groups: list[FlatGroup], get_grad: Callable,
-                 settings: ReduceSettings, process_group: Any, world_size: int, stage: int) -> None:
+                 grad_dtype: Callable, settings: ReduceSettings, process_group: Any, world_size: int,
+                 stage: int) -> None:
         self.every_micro_step = stage >= 2
         self.settings = settings
         self.group = process_group
         self.world = world_size
         self.get_grad = get_grad
+        self.grad_dtype = grad_dtype
         self.free_grads = stage >= 2
         self.home = {p: (g, fg.index_of(p)) for g, fg in enumerate(groups) for p in fg.params}
         self.groups = groups
@@ -110,8 +112,8 @@ class PartitionedReducer:
         return out
 
     def _comm_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
-        g, _ = self.home[p]
-        return self.settings.comm_dtype or self.groups[g].grad_partition.dtype
+        """``communication_data_type`` if set, else the dtype the gradient is held in (as DeepSpeed)."""
+        return self.settings.comm_dtype or self.grad_dtype(p)
 
     # ---- GradientReducer --------------------------------------------------------------------------------
     def grad_ready(self, param: torch.nn.Parameter) -> None:

@@ -92,8 +92,8 @@ class DeepSpeedZeroOptimizer:
         self.groups = self._build_groups(names)
         self.home = {p: (g, fg.index_of(p)) for g, fg in enumerate(self.groups) for p in fg.params}
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self.reducer = PartitionedReducer(params, self.groups, self.get_grad, settings.reduce, dp_group,
-                                          self.world, settings.stage)
+        self.reducer = PartitionedReducer(params, self.groups, self.get_grad, self.grad_dtype, settings.reduce,
+                                          dp_group, self.world, settings.stage)
         self._gather = gather_method(dp_group, settings.allgather_partitions) if self.world > 1 else "none"
         register(self, list(self.home))
 
