@@ -1,6 +1,7 @@
 """Which ZeRO optimizer owns a model parameter (for the ``safe_*`` debug APIs and ``offload_states``).
 
-A weak mapping, so a discarded engine's optimizer is not kept alive by its parameters.
+A weak mapping keyed by identity (tensors compare elementwise, so a plain ``WeakKeyDictionary`` cannot hold
+them), so a discarded engine's optimizer is not kept alive by its parameters.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-_OWNERS: weakref.WeakKeyDictionary[torch.nn.Parameter, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+_OWNERS = WeakIdKeyDictionary()
 
 
 def register(optimizer: Any, params: list[torch.nn.Parameter]) -> None:

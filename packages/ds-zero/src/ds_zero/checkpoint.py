@@ -3,9 +3,9 @@
 Every data-parallel rank writes ``zero_pp_rank_<r>_mp_rank_XX_optim_states.pt`` = ``{"optimizer_state_dict":
 <its partitioned optimizer state>, "ds_config": ..., "ds_version": ...}`` and the model-states file gets
 DeepSpeed's ``param_shapes`` / ``frozen_param_shapes`` / ``frozen_param_fragments`` / ``shared_params``, which
-is what ``zero_to_fp32`` reads. Rank 0 also copies the standalone ``zero_to_fp32.py`` script into the folder.
-Loading onto the saved world size reads this rank's file; onto another one, every saved rank's file, and the
-partitions are cut again (see ``_state``).
+is what ``zero_to_fp32`` reads. Rank 0 also copies the standalone ``zero_to_fp32.py`` script into the save
+folder (beside ``latest``). Loading onto the saved world size reads this rank's file; onto another one,
+every saved rank's file, and the partitions are cut again (see ``_state``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class ZeroCheckpointShards:
                        "ds_version": self.ds_version}}
 
     def files_to_copy(self, ctx: Any) -> Mapping[str, str]:
-        """``{name in the tag dir: source file}`` copied by the first rank: the ``zero_to_fp32.py`` script."""
+        """``{name in the save dir: source file}`` copied by the first rank: the ``zero_to_fp32.py`` script, next
+        to ``latest`` as DeepSpeed places it (``cd <save_dir>; python zero_to_fp32.py . out/``)."""
         if ctx.parallel.global_rank != 0:
             return {}
         from ds_zero import zero_to_fp32

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import decimal
 import json
 import logging
 import math
@@ -204,8 +205,11 @@ def _tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> str:
     if tag is None:
         latest = os.path.join(checkpoint_dir, LATEST_FILE)
         if not os.path.isfile(latest):
+            hint = ("; it looks like a tag folder itself: pass its parent as checkpoint_dir and its name as tag"
+                    if any(_OPTIM_STATES_RE.match(name) for name in os.listdir(checkpoint_dir)) else "")
             raise FileNotFoundError(f"no tag given and no '{LATEST_FILE}' file at {latest}: pass tag= (e.g. "
-                                    "'global_step14'), or point checkpoint_dir at the folder holding the tag folders")
+                                    f"'global_step14'), or point checkpoint_dir at the folder holding the tag "
+                                    f"folders{hint}")
         with open(latest, encoding="utf-8") as handle:
             tag = handle.read().strip()
     tag_dir = os.path.join(checkpoint_dir, str(tag))
@@ -265,7 +269,8 @@ def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tenso
         raise ZeroToFp32Error(f"{tag_dir}: no zero_pp_rank_<r>_mp_rank_00_optim_states.pt files; this is not a "
                               "ZeRO (stage 1-3) checkpoint, whose weights are already whole in the model-states file")
     first = files[min(files)]
-    stage, world = _stage_and_world(_optimizer_section(_load(first), first), first)
+    loaded = {min(files): _optimizer_section(_load(first), first)}
+    stage, world = _stage_and_world(loaded[min(files)], first)
     missing = sorted(set(range(world)) - set(files))
     extra = sorted(set(files) - set(range(world)))
     if missing or extra:
@@ -275,7 +280,7 @@ def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tenso
             f"ranks {extra}); a rank failed to save or an older checkpoint was partly overwritten")
     partitions = []
     for rank in range(world):
-        section = _optimizer_section(_load(files[rank]), files[rank])
+        section = loaded.pop(rank, None) or _optimizer_section(_load(files[rank]), files[rank])
         found = _stage_and_world(section, files[rank])
         if found != (stage, world):
             raise ZeroToFp32Error(f"{files[rank]}: (zero stage, partition count) is {found}, but {first} "
@@ -340,6 +345,8 @@ def _trainable_stage12(shapes: list[Mapping[str, Any]], partitions: list[list[to
                 f"{len(group)} parameters need {total} ({padded} once padded to a multiple of 2*world_size={align})")
         offset = 0
         for name, shape in group.items():
+            if name in out:
+                raise ZeroToFp32Error(f"{path}: parameter {name!r} is listed in more than one param group")
             numel = math.prod(shape)
             out[name] = LazyTensor(name, torch.Size(shape), torch.float32, [(vector, offset, numel)])
             offset += numel
@@ -378,6 +385,10 @@ def _frozen(states: list[tuple[str, Mapping[str, Any]]], stage: int, world: int)
         if all(fragment is not None for _, fragment in fragments):
             if stage == 3 and len(fragments) == world and world > 1:
                 part = math.ceil(math.prod(shape) / world)
+                short = [p for p, fragment in fragments if fragment.numel() < part]
+                if short:
+                    raise ZeroToFp32Error(f"frozen parameter {name!r} {tuple(shape)}: the fragments in {short} hold "
+                                          f"fewer than the {part} values each of the {world} ranks should hold")
                 spans = [(_FlatVector([fragment]), 0, part) for _, fragment in fragments]
                 out[name] = LazyTensor(name, shape, _out_dtype(fragments[0][1].dtype), spans)
             else:
@@ -490,13 +501,13 @@ def _parse_size(value: int | str) -> int:
         if match is None or (match.group(2) or "B").upper() not in _SIZE_UNITS:
             raise ZeroToFp32Error(f"max_shard_size={value!r} is not a size; use an int of bytes or a string "
                                   "like '5GB', '500MB', '2GiB'")
-        size = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+        size = int(decimal.Decimal(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
     if size <= 0:
         raise ZeroToFp32Error(f"max_shard_size={value!r} must be positive")
     return size
 
 
-def _plan_shards(entries: Mapping[str, LazyTensor], max_bytes: int, share_storage: bool) -> list[list[str]]:
+def _plan_shards(entries: Mapping[str, LazyTensor], max_bytes: float, share_storage: bool) -> list[list[str]]:
     """Names per shard, in order, each shard at most ``max_bytes`` unless one tensor alone is larger.
 
     With ``share_storage`` (.bin files) a tied name costs nothing when its tensor is already in the shard."""
@@ -562,16 +573,18 @@ def _remove_stale_outputs(output_dir: str, safe: bool, written: set[str]) -> Non
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                                               max_shard_size: int | str = "5GB", safe_serialization: bool = False,
+                                               max_shard_size: int | str | None = "5GB",
+                                               safe_serialization: bool = False,
                                                tag: str | None = None,
                                                exclude_frozen_parameters: bool = False) -> None:
     """Write the consolidated fp32 state_dict under ``output_dir`` as Hugging Face names it.
 
     One shard: ``pytorch_model.bin`` (or ``model.safetensors``); more: ``pytorch_model-0000i-of-0000n.bin``
     (``model-0000i-of-0000n.safetensors``) plus ``<name>.index.json`` with ``metadata.total_size`` (bytes)
-    and ``weight_map``. Shards are written as they fill, one parameter read at a time.
+    and ``weight_map``. ``max_shard_size`` None: one file. Shards are written as they fill, one parameter read
+    at a time.
     """
-    max_bytes = _parse_size(max_shard_size)
+    max_bytes = math.inf if max_shard_size is None else _parse_size(max_shard_size)
     if safe_serialization:
         try:
             import safetensors.torch  # noqa: F401
@@ -633,7 +646,12 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help or a usage error (already printed)
         return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if args.debug else logging.INFO)
+    logger.propagate = False  # the script prints its own progress; no duplicates through the root logger
     try:
         convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
@@ -644,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"zero_to_fp32: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
     return 0
 
 

@@ -89,15 +89,15 @@ def _write_rank_files(state: EngineState, ctx: ShardContext, client_state: Mappi
         make_dirs(ctx.tag_dir)
     for name, obj in files.items():
         save_file(obj, os.path.join(ctx.tag_dir, name))
-    for shard in state.shards:  # plain files (e.g. ZeRO's zero_to_fp32.py script), copied atomically
+    for shard in state.shards:  # plain files beside the tag dirs (ZeRO's zero_to_fp32.py), copied atomically
         copies = getattr(shard, "files_to_copy", None)
         for name, source in (copies(ctx) if copies is not None else {}).items():
-            if name in files or os.path.basename(name) != name:
-                raise CheckpointError(f"checkpoint file name {name!r} from {type(shard).__name__} is taken or not "
-                                      "a plain file name")
-            make_dirs(ctx.tag_dir)
+            if os.path.basename(name) != name or name == LATEST_FILE:
+                raise CheckpointError(f"checkpoint file name {name!r} from {type(shard).__name__} is not a plain "
+                                      "file name or is taken")
             with open(source, "rb") as src:
-                atomic_write(os.path.join(ctx.tag_dir, name), lambda dst, src=src: shutil.copyfileobj(src, dst))
+                atomic_write(os.path.join(os.path.dirname(ctx.tag_dir), name),
+                             lambda dst, src=src: shutil.copyfileobj(src, dst))
 
 
 def _agree(meeting: Meeting | None, phase: str, error: BaseException | None, waiting_for: str, what: str) -> None:

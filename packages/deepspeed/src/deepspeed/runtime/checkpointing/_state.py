@@ -111,6 +111,8 @@ class CheckpointShards(Protocol):
     pipeline layer files (:class:`PipelineLayerShards`).
     ``model_state_extras()``: keys merged into the model-states file (e.g. ZeRO's ``param_shapes``).
     ``files_to_save(ctx)``: ``{file name inside the tag dir: object}`` this rank writes (each atomically).
+    ``files_to_copy(ctx)`` (optional): ``{file name: source path}`` of plain files copied into the save dir,
+    beside ``latest`` (ZeRO's ``zero_to_fp32.py``).
     ``load_files(ctx, load)``: restore from this rank's files; ``load(name)`` returns a file's object read with
     ``torch.load(weights_only=True)`` and clear errors for missing or corrupt files.
     """
