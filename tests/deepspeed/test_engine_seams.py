@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_distributed
@@ -241,10 +242,10 @@ def test_engine_save_on_rank_zero_only_is_detected(tmp_path):
 
 
 # -- no optimizer at all: an evaluation engine (Transformers/Accelerate evaluation path) ---------------------
-def _no_optimizer_body(save_dir: str) -> dict:
+def _no_optimizer_body(save_dir: str, stage: int) -> dict:
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}}
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
     engine, optimizer, _, sched = deepspeed.initialize(model=_model(), config=config)
     x = torch.randn(2, IN).bfloat16()
     with torch.no_grad():
@@ -269,8 +270,9 @@ def _no_optimizer_body(save_dir: str) -> dict:
             "errors": errors, "loaded": path is not None and loaded, "sched_error": sched_error}
 
 
-def test_engine_without_an_optimizer_evaluates(tmp_path):
-    r = run_distributed(_no_optimizer_body, world_size=1, args=(str(tmp_path),), timeout=60)[0]
+@pytest.mark.parametrize("stage", [0, 2])
+def test_engine_without_an_optimizer_evaluates(tmp_path, stage):
+    r = run_distributed(_no_optimizer_body, world_size=1, args=(str(tmp_path), stage), timeout=60)[0]
     assert r["none"] == (None, None, [], None) and r["same"] and r["loaded"]
     assert len(r["errors"]) == 2 and all("without an optimizer" in e for e in r["errors"])
     assert "engine.backward" in r["errors"][0] and "engine.step" in r["errors"][1]

@@ -96,7 +96,8 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         from deepspeed.runtime._optimizer_factory import build_basic_optimizer, check_zero_optimizer
 
         params = trainable(self.module.parameters())
-        if optimizer is None and self._config.optimizer is None and self._config.zero_stage == 0:
+        # stages 0-2 leave the weights whole, so without an optimizer the module is simply evaluated
+        if optimizer is None and self._config.optimizer is None and self._config.zero_stage <= 2:
             self._configure_without_optimizer(lr_scheduler)
             return
         chosen = list(model_parameters) if model_parameters is not None else params
