@@ -198,6 +198,9 @@ class PartitionedReducer:
         self.next_launch = 0
         s = self.settings
         post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / self.world
+        if not self.every_micro_step:  # stage 1 reduces the whole accumulated gradient: replace, not add
+            for fg in self.groups:
+                fg.grad_partition.zero_()
         for bucket in self.buckets:
             self._wait(bucket)
             flat = bucket.buffer()
