@@ -55,7 +55,7 @@ def storages(engine) -> dict:
             "params": [p.data_ptr() for fg in opt.groups for p in fg.params],
             "hp": [fg.master.data_ptr() for fg in opt.groups],
             "grads": [fg.grad_partition.data_ptr() for fg in opt.groups],
-            "buckets": [b.flat.data_ptr() for b in opt.reducer.buckets if b.flat is not None],
+            "buckets": [t.data_ptr() for t in opt.reducer.buffers()],
             "optim": [v.data_ptr() for fg in opt.groups for v in opt.optimizer.state[fg.master].values()
                       if torch.is_tensor(v) and v.dim() > 0]}
 

@@ -5,7 +5,9 @@ The model's parameters become views into one flat buffer per group (``lp_flat``,
 a :class:`~ds_zero.partition.FlatLayout`), so gathering the updated partitions rewrites every parameter in
 place with no per-parameter copies. This rank keeps only its partition of the fp32 master weights
 (``master``, the tensor the wrapped torch optimizer steps, on the CPU with offload) and of the gradients
-(``grad_partition``: the model dtype, or fp32 with fp32 gradient accumulation).
+(``grad_partition``: the model dtype, or fp32 with fp32 gradient accumulation). Stage 2 keeps the gradient
+partition for the whole run; stage 1 (``persistent_grads=False``) allocates it when gradients are reduced and
+frees it after the step, as DeepSpeed does, since stage 1 holds full gradients in between anyway.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class FlatGroup:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int, rank: int,
                  grad_dtype: torch.dtype, master_device: torch.device, round_robin: bool = False,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, persistent_grads: bool = True) -> None:
         if round_robin:
             order = round_robin_order([p.numel() for p in params], world_size)
             params, names = [params[i] for i in order], [names[i] for i in order]
@@ -38,7 +40,30 @@ class FlatGroup:
         if pin_memory and master_device.type == "cpu" and torch.cuda.is_available():
             master = master.pin_memory()
         self.master = torch.nn.Parameter(master)
-        self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=grad_dtype, device=device)
+        self.grad_dtype, self.grad_device = grad_dtype, device
+        self.persistent_grads = persistent_grads
+        self._grad_partition: torch.Tensor | None = None
+        if persistent_grads:
+            self._grad_partition = torch.zeros(self.layout.partition_numel, dtype=grad_dtype, device=device)
+
+    @property
+    def grad_partition(self) -> torch.Tensor:
+        """This rank's gradient partition (allocated, zeroed, on first use when not persistent)."""
+        if self._grad_partition is None:
+            self._grad_partition = torch.zeros(self.layout.partition_numel, dtype=self.grad_dtype,
+                                               device=self.grad_device)
+        return self._grad_partition
+
+    @property
+    def grad_partition_allocated(self) -> bool:
+        return self._grad_partition is not None
+
+    def clear_grads(self) -> None:
+        """Zero the gradient partition (persistent), or free it."""
+        if self.persistent_grads:
+            self.grad_partition.zero_()
+        else:
+            self._grad_partition = None
 
     def _flatten_params(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)

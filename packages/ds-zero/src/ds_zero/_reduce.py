@@ -1,24 +1,26 @@
 """Gradient averaging into partitions for ZeRO stages 1 and 2 (the engine's ``GradientReducer``).
 
-Gradients are packed into fixed buckets of about ``reduce_bucket_size`` elements, in reverse parameter order
-(the order backward produces them). A bucket is sent as soon as all its gradients have landed, strictly in
-bucket order so every rank issues the same collectives in the same order; with ``overlap_comm`` the
-collective runs asynchronously while backward continues, otherwise each bucket is waited for at once.
-``finish()`` waits for every bucket and adds this rank's slices of the averaged gradients into the groups'
-gradient partitions. How a bucket travels:
+Parameters are grouped into fixed buckets of about ``reduce_bucket_size`` elements, in reverse parameter
+order (the order backward produces gradients). When all of a bucket's gradients have landed it is packed into
+a communication buffer (stage 2 then frees each parameter's ``.grad``) and sent, strictly in bucket order so
+every rank issues the same collectives in the same order. With ``overlap_comm`` up to two buckets are in
+flight while backward continues; otherwise each is waited for at once. When a bucket's collective completes,
+this rank's slices of the averaged gradients are added into the groups' gradient partitions and the buffer is
+reused, so the reduction holds at most one or two buckets, never a full gradient. How a bucket travels:
 - ``reduce_scatter`` with ``use_multi_rank_bucket_allreduce`` (the defaults) and ``reduce_scatter: false``:
   one all-reduce per bucket (a bucket spans partitions of several ranks; on gloo an all-reduce is also
   faster than a reduce-scatter, 23 ms against 33 ms for 6M fp32 elements on 2 CPU ranks);
 - ``reduce_scatter`` without ``use_multi_rank_bucket_allreduce``: one ``reduce`` to each owning rank per
   contiguous run of the bucket it owns (DeepSpeed's per-rank reduce).
-Stage 2 (``every_micro_step``) reduces after every backward and frees each parameter's ``.grad`` as soon as
-it is packed (only the partition persists); stage 1 reduces at the accumulation boundary only.
-``contiguous_gradients`` keeps the bucket buffers allocated between backward passes (no allocation in the
-hot path); without it each bucket is allocated when it starts filling and freed after its reduction.
+Stage 2 (``every_micro_step``) reduces after every backward and adds into its persistent partitions; stage 1
+reduces the whole accumulated gradient at the accumulation boundary and replaces the partitions.
+``contiguous_gradients`` keeps the communication buffers allocated and reuses them (no allocation in the hot
+path, no fragmentation); without it each bucket gets a fresh buffer that is freed after its reduction.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,17 +56,13 @@ class _Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel, self.dtype, self.device = total, dtype, device
-        self.flat: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # the communication buffer while packed or in flight
+        self.pooled = False  # flat is a view of a pooled buffer (returned to the pool when done)
         self.ready: set[int] = set()
         self.works: list[Any] = []
 
-    def buffer(self) -> torch.Tensor:
-        if self.flat is None:
-            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        return self.flat
-
     def slice(self, i: int) -> torch.Tensor:
-        return self.buffer().narrow(0, self.offsets[i], self.params[i].numel())
+        return self.flat.narrow(0, self.offsets[i], self.params[i].numel())
 
 
 class PartitionedReducer:
@@ -88,16 +86,24 @@ class PartitionedReducer:
         self.next_launch = 0
         self.coalescing = False
         self._pending_flush = False
+        self._inflight: collections.deque[_Bucket] = collections.deque()
+        self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._unused: list[torch.nn.Parameter] = []
+        self._pass_open = False  # a reduction pass (one backward's buckets) has started writing back
+        if settings.contiguous_gradients:  # DeepSpeed's contiguous buffer(s), allocated up front
+            for key, size in self._pool_sizes().items():
+                self._pool[key] = [torch.empty(size, dtype=key[0], device=key[1])
+                                   for _ in range(2 if settings.overlap_comm else 1)]
         self.reduced = False  # the partitions hold this window's averaged gradients
 
     def _plan(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         buckets, current, size = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel()
-            if size >= self.settings.bucket_numel:
+        for p in reversed(params):  # a bucket never outgrows reduce_bucket_size unless one parameter does
+            if current and size + p.numel() > self.settings.bucket_numel:
                 buckets.append(current)
                 current, size = [], 0
+            current.append(p)
+            size += p.numel()
         if current:
             buckets.append(current)
         out = []
@@ -106,17 +112,20 @@ class PartitionedReducer:
             for p in members:
                 by_dtype.setdefault(self._comm_dtype(p), []).append(p)
             out.extend(_Bucket(ps, dtype, ps[0].device) for dtype, ps in by_dtype.items())
-        if self.settings.contiguous_gradients:
-            for bucket in out:
-                bucket.buffer()
         return out
 
     def _comm_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
         """``communication_data_type`` if set, else the dtype the gradient is held in (as DeepSpeed)."""
         return self.settings.comm_dtype or self.grad_dtype(p)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The communication buffers allocated right now (pooled, and those of buckets in flight)."""
+        pooled = [t for ts in self._pool.values() for t in ts]
+        return pooled + [b.flat for b in self.buckets if b.flat is not None]
+
     # ---- GradientReducer --------------------------------------------------------------------------------
     def grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Mark ``param``'s gradient final; send every bucket that is complete, in order."""
         if self.coalescing or param not in self.where:
             return
         b, i = self.where[param]
@@ -124,9 +133,7 @@ class PartitionedReducer:
             raise RuntimeError(f"a gradient of a parameter of shape {tuple(param.shape)} arrived twice in one "
                                "backward pass after it was sent for reduction (a parameter used both inside and "
                                "outside reentrant activation checkpointing?); use use_reentrant=False")
-        bucket = self.buckets[b]
-        self._fill(bucket, i)
-        bucket.ready.add(i)
+        self.buckets[b].ready.add(i)
         while self.next_launch < len(self.buckets):
             nxt = self.buckets[self.next_launch]
             if len(nxt.ready) < len(nxt.params):
@@ -134,22 +141,74 @@ class PartitionedReducer:
             self._launch(nxt)
             self.next_launch += 1
 
-    def _fill(self, bucket: _Bucket, i: int) -> bool:
-        """Pack parameter ``i``'s gradient (zeros when it has none); True when it had one."""
-        p = bucket.params[i]
-        grad = self.get_grad(p)
-        dst = bucket.slice(i)
-        if grad is None:
-            dst.zero_()
+    def _acquire(self, bucket: _Bucket) -> torch.Tensor:
+        """A buffer for ``bucket``: from the pool (``contiguous_gradients``) once the bucket in flight longest
+        has been written back when the limit is reached, else a fresh one."""
+        limit = 2 if self.settings.overlap_comm else 1
+        while len(self._inflight) >= limit:
+            self._complete(self._inflight.popleft())
+        if not self.settings.contiguous_gradients or bucket.numel > self.settings.bucket_numel:
+            return torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        bucket.pooled = True
+        pool = self._pool.setdefault((bucket.dtype, bucket.device), [])
+        for k, t in enumerate(pool):
+            if t.numel() >= bucket.numel:
+                return pool.pop(k)[:bucket.numel]
+        size = self._pool_sizes()[(bucket.dtype, bucket.device)]
+        return torch.empty(size, dtype=bucket.dtype, device=bucket.device)[:bucket.numel]
+
+    def _pool_sizes(self) -> dict[tuple[torch.dtype, torch.device], int]:
+        """Per (dtype, device): the largest bucket that packs into a pooled buffer."""
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for b in self.buckets:
+            if b.numel <= self.settings.bucket_numel:
+                key = (b.dtype, b.device)
+                sizes[key] = max(sizes.get(key, 0), b.numel)
+        return sizes
+
+    def _pack_in_place(self, bucket: _Bucket) -> bool:
+        """A parameter larger than ``reduce_bucket_size`` is reduced in its own gradient tensor (no copy, no
+        buffer of its size), as DeepSpeed does for extra-large parameters."""
+        if len(bucket.params) != 1 or bucket.numel <= self.settings.bucket_numel:
             return False
-        dst.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        p = bucket.params[0]
+        grad = self.get_grad(p)
+        if grad is None or grad.is_sparse or grad.dtype != bucket.dtype or not grad.is_contiguous():
+            return False
+        bucket.flat = grad.view(-1)
         if self.free_grads:
             p.grad = None
         return True
 
+    def _pack(self, bucket: _Bucket) -> None:
+        """Copy the bucket's gradients (zeros for those without one) into its buffer; stage 2 frees them."""
+        if self._pack_in_place(bucket):
+            limit = 2 if self.settings.overlap_comm else 1
+            while len(self._inflight) >= limit:
+                self._complete(self._inflight.popleft())
+            return
+        bucket.flat = self._acquire(bucket)
+        for i, p in enumerate(bucket.params):
+            grad = self.get_grad(p)
+            dst = bucket.slice(i)
+            if grad is None:
+                dst.zero_()
+                if i not in bucket.ready:
+                    self._unused.append(p)
+                continue
+            dst.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+            if self.free_grads:
+                p.grad = None
+
     def _launch(self, bucket: _Bucket) -> None:
         s = self.settings
-        flat = bucket.buffer()
+        if not self._pass_open:
+            self._pass_open = True
+            if not self.every_micro_step:  # stage 1 reduces the whole accumulated gradient: replace, not add
+                for fg in self.groups:
+                    fg.grad_partition.zero_()
+        self._pack(bucket)
+        flat = bucket.flat
         pre = 1.0 / self.world if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
         if pre != 1.0:
             flat.mul_(pre)
@@ -158,8 +217,9 @@ class PartitionedReducer:
                 bucket.works = self._reduce_to_owners(bucket)
             else:
                 bucket.works = [dist.all_reduce(flat, group=self.group, async_op=True)]
-            if not s.overlap_comm:
-                self._wait(bucket)
+        self._inflight.append(bucket)
+        if not s.overlap_comm:
+            self._complete(self._inflight.popleft())
 
     def _reduce_to_owners(self, bucket: _Bucket) -> list[Any]:
         runs: list[tuple[int, int, int]] = []  # (owner, start in bucket, numel), merged when contiguous
@@ -171,47 +231,42 @@ class PartitionedReducer:
                     runs[-1] = (owner, runs[-1][1], runs[-1][2] + frag.numel)
                 else:
                     runs.append((owner, start, frag.numel))
-        flat = bucket.buffer()
         works = []
         for owner, start, numel in runs:
             dst = dist.get_global_rank(self.group, owner) if self.group is not None else owner
-            works.append(dist.reduce(flat[start:start + numel], dst=dst, group=self.group, async_op=True))
+            works.append(dist.reduce(bucket.flat[start:start + numel], dst=dst, group=self.group, async_op=True))
         return works
 
-    @staticmethod
-    def _wait(bucket: _Bucket) -> None:
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s collective, add this rank's slices into the partitions, release the buffer."""
         for work in bucket.works:
             work.wait()
         bucket.works = []
+        s = self.settings
+        post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / self.world
+        if post != 1.0:
+            bucket.flat.mul_(post)
+        self._write_back(bucket)
+        if bucket.pooled:
+            base = bucket.flat._base if bucket.flat._base is not None else bucket.flat
+            self._pool.setdefault((bucket.dtype, bucket.device), []).append(base)
+        bucket.flat, bucket.pooled = None, False
+        bucket.ready.clear()
 
     def finish(self) -> None:
         """Send what is left, wait, add this rank's slices into the gradient partitions."""
         if self.coalescing:
             self._pending_flush = True
             return
-        unused = []
         for bucket in self.buckets[self.next_launch:]:
-            for i in range(len(bucket.params)):
-                if i not in bucket.ready and not self._fill(bucket, i):
-                    unused.append(bucket.params[i])
             self._launch(bucket)
         self.next_launch = 0
-        s = self.settings
-        post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / self.world
-        if not self.every_micro_step:  # stage 1 reduces the whole accumulated gradient: replace, not add
-            for fg in self.groups:
-                fg.grad_partition.zero_()
-        for bucket in self.buckets:
-            self._wait(bucket)
-            flat = bucket.buffer()
-            if post != 1.0:
-                flat.mul_(post)
-            self._write_back(bucket)
-            bucket.ready.clear()
-            if not s.contiguous_gradients:
-                bucket.flat = None
+        while self._inflight:
+            self._complete(self._inflight.popleft())
         self.reduced = True
-        if unused and self.every_micro_step and not s.ignore_unused_parameters:
+        self._pass_open = False
+        unused, self._unused = self._unused, []
+        if unused and self.every_micro_step and not self.settings.ignore_unused_parameters:
             raise RuntimeError(f"ZeRO stage 2: {len(unused)} parameter(s) received no gradient in this backward "
                                f"(shapes {[tuple(p.shape) for p in unused[:5]]}); set "
                                "zero_optimization.ignore_unused_parameters to true to allow unused parameters")

@@ -75,23 +75,24 @@ class ZeroCheckpointShards:
     def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
         if ctx.load_module_only or not ctx.load_optimizer_states:
             return
-        rank, mp_rank = ctx.parallel.dp_rank, ctx.parallel.mp_rank
-        probe = optim_states_name(rank if self._exists(ctx, rank, mp_rank) else 0, mp_rank)
-        first = _optimizer_state(load(probe), probe)
+        mp_rank = ctx.parallel.mp_rank
+        first_name = optim_states_name(0, mp_rank)
+        first = _optimizer_state(load(first_name), first_name)
         counts = first.get("partition_count", 1)
         saved_world = max(counts) if isinstance(counts, list) else int(counts)
+        names = [optim_states_name(r, mp_rank) for r in range(saved_world)]
+        # every rank checks every file before loading anything, so all ranks fail together rather than some
+        # of them waiting in the weight gather for a rank that raised
+        missing = [n for n in names if not os.path.isfile(os.path.join(ctx.tag_dir, n))]
+        if missing:
+            raise FileNotFoundError(f"ZeRO checkpoint {ctx.tag_dir} was saved by {saved_world} data-parallel ranks "
+                                    f"but {missing} are missing; the checkpoint is incomplete (load another tag)")
         if saved_world == ctx.parallel.dp_world_size:
-            self.optimizer.load_state_dict(first)
+            own = names[ctx.parallel.dp_rank]
+            self.optimizer.load_state_dict(first if own == first_name else _optimizer_state(load(own), own))
             return
-        states = []
-        for r in range(saved_world):
-            name = optim_states_name(r, mp_rank)
-            states.append(first if name == probe else _optimizer_state(load(name), name))
+        states = [first] + [_optimizer_state(load(n), n) for n in names[1:]]
         self.optimizer.load_state_dict(states)
-
-    @staticmethod
-    def _exists(ctx: Any, rank: int, mp_rank: int) -> bool:
-        return os.path.isfile(os.path.join(ctx.tag_dir, optim_states_name(rank, mp_rank)))
 
 
 def _optimizer_state(obj: Any, name: str) -> dict[str, Any]:

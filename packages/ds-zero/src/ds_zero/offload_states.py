@@ -99,7 +99,7 @@ def _optim_state_tensors(opt: DeepSpeedZeroOptimizer) -> list[torch.Tensor]:
 
 
 def _grad_tensors(opt: DeepSpeedZeroOptimizer) -> list[torch.Tensor]:
-    out = [fg.grad_partition for fg in opt.groups]
+    out = [fg.grad_partition for fg in opt.groups if fg.grad_partition_allocated]
     for fg in opt.groups:
         for p in fg.params:
             out.extend(g for g in (p.grad, opt.get_grad(p)) if g is not None)
@@ -117,7 +117,7 @@ def _holders(opt: DeepSpeedZeroOptimizer, state: OffloadStateTypeEnum) -> list[A
         return list(opt.groups)
     if state is OffloadStateTypeEnum.lp_grads:
         return _grad_tensors(opt)
-    return [b.flat for b in opt.reducer.buckets if b.flat is not None]
+    return opt.reducer.buffers()
 
 
 def _device_of(holder: Any) -> torch.device:

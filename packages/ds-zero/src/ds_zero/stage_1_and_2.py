@@ -108,11 +108,14 @@ class DeepSpeedZeroOptimizer:
             if missing:
                 raise ValueError(f"ZeRO: optimizer parameters of shapes {missing[:5]} are not parameters of the model")
             low = params[0].dtype if params else torch.float32
-            grad_dtype = torch.float32 if s.fp32_grad_accum else low
+            # stage 1's partition lives only from the boundary reduction to the step: fp32, so it is the masters'
+            # gradient itself rather than a copy converted at the step
+            grad_dtype = torch.float32 if s.fp32_grad_accum or s.stage == 1 else low
             device = torch.device("cpu") if s.offload_device == "cpu" else (params[0].device if params else
                                                                               torch.device("cpu"))
             fg = FlatGroup(params, [names[p] for p in params], self.world, self.rank, grad_dtype, device,
-                           round_robin=s.round_robin_gradients, pin_memory=s.pin_memory)
+                           round_robin=s.round_robin_gradients, pin_memory=s.pin_memory,
+                           persistent_grads=s.stage >= 2)
             group["params"] = [fg.master]
             groups.append(fg)
         self.optimizer.state.clear()  # state keyed by the model's tensors would no longer match
@@ -238,7 +241,7 @@ class DeepSpeedZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for fg in self.groups:
-            fg.grad_partition.zero_()
+            fg.clear_grads()
             for p in fg.params:
                 p.grad = None
         self._acc.clear()
