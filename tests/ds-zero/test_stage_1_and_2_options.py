@@ -42,7 +42,8 @@ def train(config: dict, world: int, **run) -> list[dict]:
     return run_distributed(_engine_run, world_size=world, args=(config, run), timeout=60)
 
 
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "batch_isend_irecv")
 
 
 @contextlib.contextmanager
@@ -120,16 +121,19 @@ def test_collectives_follow_the_options():
     def run(zero):
         return run_distributed(_collectives_body, world_size=2, args=(zero,), timeout=60)[0]
 
-    plain = run({"stage": 2})  # one bucket: one all-reduce in backward; gloo gathers by all-reduce (+ the norm)
-    assert plain["buckets"] == 1 and plain["backward"] == {"all_reduce": 1}
-    assert plain["step"] == {"all_reduce": 2}
+    # one bucket: one point-to-point exchange in backward (gloo); the step: the norm, then a p2p gather
+    plain = run({"stage": 2})
+    assert plain["buckets"] == 1 and plain["backward"] == {"batch_isend_irecv": 1}
+    assert plain["step"] == {"all_reduce": 1, "batch_isend_irecv": 1}
     small = run({"stage": 2, "reduce_bucket_size": 20, "allgather_bucket_size": 16})
-    assert small["buckets"] > 1 and small["backward"] == {"all_reduce": small["buckets"]}
-    assert small["step"] == {"all_reduce": 1 + 8}  # the norm, then ceil(124 / 16) gather chunks
+    assert small["buckets"] > 1 and small["backward"] == {"batch_isend_irecv": small["buckets"]}
+    assert small["step"] == {"all_reduce": 1, "batch_isend_irecv": 4}  # ceil(62 / 16) chunks of a partition
+    everyone = run({"stage": 2, "reduce_scatter": False})
+    assert everyone["backward"] == {"all_reduce": 1}
     per_owner = run({"stage": 2, "use_multi_rank_bucket_allreduce": False})
     assert per_owner["backward"].get("all_reduce", 0) == 0 and per_owner["backward"]["reduce"] >= 2
     broadcast = run({"stage": 1, "allgather_partitions": False})
-    assert broadcast["backward"] == {"all_reduce": 1}  # stage 1, GAS 1: every backward is a boundary
+    assert broadcast["backward"] == {"batch_isend_irecv": 1}  # stage 1, GAS 1: every backward is a boundary
     assert broadcast["step"] == {"all_reduce": 1, "broadcast": 2}  # the norm, then one broadcast per owner
 
 
@@ -257,7 +261,7 @@ def _coalesce_body(stage: int, coalesce: bool, steps: int, zero: dict, exact: bo
                 out = engine(xc)
                 loss = (out - yc).pow(2).sum() if exact else torch.nn.functional.mse_loss(out, yc)
                 engine.backward(loss)
-        counts.append(window["all_reduce"] + window["reduce"])
+        counts.append(window["all_reduce"] + window["reduce"] + window["batch_isend_irecv"])
         engine.step()
     return {"state": {k: v.clone() for k, v in engine.module.state_dict().items()}, "counts": counts,
             "buckets": len(getattr(engine.reducer, "buckets", ()))}

@@ -7,11 +7,13 @@ every rank issues the same collectives in the same order. With ``overlap_comm`` 
 flight while backward continues; otherwise each is waited for at once. When a bucket's collective completes,
 this rank's slices of the averaged gradients are added into the groups' gradient partitions and the buffer is
 reused, so the reduction holds at most one or two buckets, never a full gradient. How a bucket travels:
-- ``reduce_scatter`` with ``use_multi_rank_bucket_allreduce`` (the defaults) and ``reduce_scatter: false``:
-  one all-reduce per bucket (a bucket spans partitions of several ranks; on gloo an all-reduce is also
-  faster than a reduce-scatter, 23 ms against 33 ms for 6M fp32 elements on 2 CPU ranks);
+- ``reduce_scatter`` with ``use_multi_rank_bucket_allreduce`` (the defaults): one exchange per bucket over all
+  the ranks whose partitions it spans. On gloo it is point to point (each rank sends every other owner its
+  pieces and sums the copies of its own: 11.4 ms against 16.5 ms for an all-reduce of a 5M-element fp32
+  bucket on 2 CPU ranks; gloo's ``reduce_scatter_tensor`` took 24.8 ms); on other backends an all-reduce;
 - ``reduce_scatter`` without ``use_multi_rank_bucket_allreduce``: one ``reduce`` to each owning rank per
-  contiguous run of the bucket it owns (DeepSpeed's per-rank reduce).
+  contiguous run of the bucket it owns (DeepSpeed's per-rank reduce);
+- ``reduce_scatter: false``: one all-reduce per bucket.
 Stage 2 (``every_micro_step``) reduces after every backward and adds into its persistent partitions; stage 1
 reduces the whole accumulated gradient at the accumulation boundary and replaces the partitions.
 ``contiguous_gradients`` keeps the communication buffers allocated and reuses them (no allocation in the hot
@@ -58,6 +60,8 @@ class _Bucket:
         self.numel, self.dtype, self.device = total, dtype, device
         self.flat: torch.Tensor | None = None  # the communication buffer while packed or in flight
         self.pooled = False  # flat is a view of a pooled buffer (returned to the pool when done)
+        self.runs: list[tuple[int, int, int]] | None = None
+        self.received: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ready: set[int] = set()
         self.works: list[Any] = []
 
@@ -90,6 +94,8 @@ class PartitionedReducer:
         self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._unused: list[torch.nn.Parameter] = []
         self._pass_open = False  # a reduction pass (one backward's buckets) has started writing back
+        # gloo moves a bucket's pieces to their owners faster point to point than by all-reduce
+        self._p2p = world_size > 1 and dist.get_backend(process_group) == "gloo"
         if settings.contiguous_gradients:  # DeepSpeed's contiguous buffer(s), allocated up front
             for key, size in self._pool_sizes().items():
                 self._pool[key] = [torch.empty(size, dtype=key[0], device=key[1])
@@ -215,33 +221,65 @@ class PartitionedReducer:
         if self.world > 1:
             if s.reduce_scatter and not s.use_multi_rank_bucket_allreduce:
                 bucket.works = self._reduce_to_owners(bucket)
+            elif s.reduce_scatter and self._p2p:
+                bucket.works = self._exchange(bucket)
             else:
                 bucket.works = [dist.all_reduce(flat, group=self.group, async_op=True)]
         self._inflight.append(bucket)
         if not s.overlap_comm:
             self._complete(self._inflight.popleft())
 
+    def _owner_runs(self, bucket: _Bucket) -> list[tuple[int, int, int]]:
+        """``(owner rank, start in bucket, numel)`` of the bucket's pieces, merged when contiguous (cached: the
+        layout is fixed)."""
+        if bucket.runs is None:
+            runs: list[tuple[int, int, int]] = []
+            for i, p in enumerate(bucket.params):
+                g, j = self.home[p]
+                for owner, frag in self.groups[g].layout.owners(j):
+                    start = bucket.offsets[i] + frag.tensor_offset
+                    if runs and runs[-1][0] == owner and runs[-1][1] + runs[-1][2] == start:
+                        runs[-1] = (owner, runs[-1][1], runs[-1][2] + frag.numel)
+                    else:
+                        runs.append((owner, start, frag.numel))
+            bucket.runs = runs
+        return bucket.runs
+
+    def _peer(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def _reduce_to_owners(self, bucket: _Bucket) -> list[Any]:
-        runs: list[tuple[int, int, int]] = []  # (owner, start in bucket, numel), merged when contiguous
-        for i, p in enumerate(bucket.params):
-            g, j = self.home[p]
-            for owner, frag in self.groups[g].layout.owners(j):
-                start = bucket.offsets[i] + frag.tensor_offset
-                if runs and runs[-1][0] == owner and runs[-1][1] + runs[-1][2] == start:
-                    runs[-1] = (owner, runs[-1][1], runs[-1][2] + frag.numel)
-                else:
-                    runs.append((owner, start, frag.numel))
         works = []
-        for owner, start, numel in runs:
-            dst = dist.get_global_rank(self.group, owner) if self.group is not None else owner
-            works.append(dist.reduce(bucket.flat[start:start + numel], dst=dst, group=self.group, async_op=True))
+        for owner, start, numel in self._owner_runs(bucket):
+            works.append(dist.reduce(bucket.flat[start:start + numel], dst=self._peer(owner), group=self.group,
+                                     async_op=True))
         return works
+
+    def _exchange(self, bucket: _Bucket) -> list[Any]:
+        """Point-to-point reduce-scatter: each rank sends the other owners their pieces and receives every
+        rank's copy of its own, summed in ``_complete`` (gloo: 0.69x the time of an all-reduce of the bucket)."""
+        me = self.groups[0].rank
+        ops, bucket.received = [], []
+        for owner, start, numel in self._owner_runs(bucket):
+            piece = bucket.flat[start:start + numel]
+            if owner != me:
+                ops.append(dist.P2POp(dist.isend, piece, self._peer(owner), self.group))
+                continue
+            for r in range(self.world):
+                if r != me:
+                    buf = torch.empty(numel, dtype=piece.dtype, device=piece.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, self._peer(r), self.group))
+                    bucket.received.append((piece, buf))
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s collective, add this rank's slices into the partitions, release the buffer."""
         for work in bucket.works:
             work.wait()
         bucket.works = []
+        for piece, buf in bucket.received:
+            piece.add_(buf)
+        bucket.received = []
         s = self.settings
         post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / self.world
         if post != 1.0:
