@@ -10,7 +10,7 @@ rotating order so no variant always runs first. Models: a small MLP and a tiny G
   optimizer from the config (``AdamW``: ds-ops ``FusedAdam``), every other ZeRO option at its default;
 * ``stage2+overlap``: stage 2 with ``overlap_comm`` and ``reduce_bucket_size`` ``--bucket`` elements;
 * ``stage2+bcast`` (not in the default list): stage 2 with ``allgather_partitions: false`` (the updated
-  partitions travel by one broadcast per owner instead of gloo's all-reduce);
+  partitions travel by one broadcast per owner instead of the point-to-point gather);
 * ``offload``: stage 2 with ``offload_optimizer.device = cpu`` (the optimizer is ``DeepSpeedCPUAdam``).
 
 Reported per model: median step time (ms) and global samples/s, the ratio of every ZeRO stage's step time to
@@ -264,7 +264,7 @@ def collectives(numel: int, rank: int, world: int, reps: int = 9) -> dict[str, f
         for r in range(world):
             dist.broadcast(flat[r * part:(r + 1) * part], src=r)
 
-    cases = {"all_reduce (stage 0; ZeRO reduce and gather on gloo)": lambda: dist.all_reduce(flat),
+    cases = {"all_reduce (stage 0 gradient reduction)": lambda: dist.all_reduce(flat),
              "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out[:part], flat),
              "p2p reduce-scatter (isend/irecv + add)": lambda: _exchange(flat, rank, world, gather=False),
              "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, flat[rank * part:(rank + 1) * part]),
@@ -421,7 +421,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
     for model, res in results.items():
         lines += timing_table(model, res, args) + [""] + phase_table(res["phases"]) + [""]
     if coll:
-        base = coll["all_reduce (stage 0; ZeRO reduce and gather on gloo)"]
+        base = coll["all_reduce (stage 0 gradient reduction)"]
         lines += [f"gloo collectives, fp32 buffer of {next(iter(results.values()))['params'] / 1e6:.2f} M elements, "
                   f"{args.world_size} ranks (median ms, ratio to all_reduce):"]
         lines += [f"  {name:<52} {ms:>8.2f} {ms / base:>6.2f}x" for name, ms in coll.items()] + [""]
