@@ -171,15 +171,16 @@ def test_resume_on_the_same_world_size_is_bitwise(tmp_path, case):
         assert_same_tensors(rank["resumed"], rank["straight"])
         assert rank["resumed"]["steps"] == 2 * N
     assert_same_tensors(r[0]["resumed"]["module"], r[1]["resumed"]["module"])
-    _check_files(tmp_path, world=2, stage=stage)
+    _check_files(tmp_path, world=2, stage=stage, prefix="bf16_" if dtype == "bf16" else "")
 
 
-def _check_files(save_dir, world: int, stage: int) -> None:
+def _check_files(save_dir, world: int, stage: int, prefix: str = "") -> None:
+    """``prefix``: ``bf16_`` when bf16 is enabled, as DeepSpeed names those files."""
     from ds_zero import zero_to_fp32
 
     tag_dir = save_dir / f"global_step{N}"
     assert (save_dir / "latest").read_text() == f"global_step{N}"
-    optim = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
+    optim = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
     assert sorted(os.listdir(tag_dir)) == sorted(["mp_rank_00_model_states.pt", *optim])
     # the recovery script sits beside 'latest', where DeepSpeed copies it
     assert sorted(os.listdir(save_dir)) == [f"global_step{N}", "latest", "zero_to_fp32.py"]

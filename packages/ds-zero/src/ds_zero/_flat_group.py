@@ -101,7 +101,8 @@ class FlatGroup:
         for frag in self.own:
             grad = grads[frag.index]
             if grad is not None:
-                src = grad.reshape(-1).narrow(0, frag.tensor_offset, frag.numel)
+                dense = grad.to_dense() if grad.is_sparse else grad  # e.g. Embedding(sparse=True)
+                src = dense.reshape(-1).narrow(0, frag.tensor_offset, frag.numel)
                 self.grad_partition.narrow(0, frag.partition_offset, frag.numel).copy_(src)
 
     def fp32_grad(self) -> torch.Tensor:

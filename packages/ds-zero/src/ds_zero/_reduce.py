@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup
 
+AUTOCAST_COMM_DTYPE_ATTR = "_ds_autocast_comm_dtype"  # set by deepspeed.runtime.torch_autocast.init_autocast_params
+
 
 @dataclass(frozen=True)
 class ReduceSettings:
@@ -121,8 +123,9 @@ class PartitionedReducer:
         return out
 
     def _comm_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
-        """``communication_data_type`` if set, else the dtype the gradient is held in (as DeepSpeed)."""
-        return self.settings.comm_dtype or self.grad_dtype(p)
+        """``communication_data_type`` if set, else the ``torch_autocast`` dtype of a lower-precision-safe
+        module's parameter, else the dtype the gradient is held in (as DeepSpeed)."""
+        return self.settings.comm_dtype or getattr(p, AUTOCAST_COMM_DTYPE_ATTR, None) or self.grad_dtype(p)
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication buffers allocated right now (pooled, and those of buckets in flight)."""
@@ -175,7 +178,9 @@ class PartitionedReducer:
     def _pack_in_place(self, bucket: _Bucket) -> bool:
         """A parameter larger than ``reduce_bucket_size`` is reduced in its own gradient tensor (no copy, no
         buffer of its size), as DeepSpeed does for extra-large parameters."""
-        if len(bucket.params) != 1 or bucket.numel <= self.settings.bucket_numel:
+        # stage 1 keeps the full gradient after the reduction (a second backward at the boundary adds to it and
+        # reduces it again), so only stage 2, which frees it, may reduce it in place
+        if not self.free_grads or len(bucket.params) != 1 or bucket.numel <= self.settings.bucket_numel:
             return False
         p = bucket.params[0]
         grad = self.get_grad(p)

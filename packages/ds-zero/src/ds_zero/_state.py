@@ -24,8 +24,9 @@ def partitioned_state_dict(opt: Any) -> dict[str, Any]:
     """This rank's share of the optimizer state (``opt``: a ``DeepSpeedZeroOptimizer``)."""
     scaler = opt.loss_scaler
     last = opt.rank == opt.world - 1
+    state = {} if scaler is None else {"loss_scaler": scaler.state_dict()}  # DeepSpeed reads a present key
     return {
-        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        **state,
         "dynamic_loss_scale": bool(scaler is not None and hasattr(scaler, "scale_window")),
         "overflow": bool(opt.overflow),
         "clip_grad": float(opt.settings.clip),
@@ -55,9 +56,16 @@ def load_partitioned_state(opt: Any, states: Sequence[dict[str, Any]], same_layo
     order (re-partitioned for this world size)."""
     _check(opt, states)
     first = states[0]
-    if opt.loss_scaler is not None and first.get("loss_scaler") is not None:
-        opt.loss_scaler.load_state_dict(first["loss_scaler"])
+    if opt.loss_scaler is not None and first.get("loss_scaler"):
+        opt.loss_scaler.load_state_dict({**opt.loss_scaler.state_dict(), **first["loss_scaler"]})
     if same_layout:
+        if not same_names(first, opt):
+            raise ValueError("ZeRO optimizer state: the saved groups hold other parameters or another order (e.g. "
+                             "round_robin_gradients or the parameter groups changed); load every rank's state to "
+                             "re-partition by name")
+        paddings = first.get("group_paddings") or [0] * len(opt.groups)
+        first = {**first, FP32_GROUPS: [_padded(m, fg.layout.partition_numel, pad)
+                                        for m, fg, pad in zip(first[FP32_GROUPS], opt.groups, paddings, strict=True)]}
         for g, (fg, master) in enumerate(zip(opt.groups, first[FP32_GROUPS], strict=True)):
             if master.numel() != fg.layout.partition_numel:
                 raise ValueError(f"ZeRO optimizer state: group {g}'s saved fp32 partition has {master.numel()} "
@@ -74,6 +82,22 @@ def load_partitioned_state(opt: Any, states: Sequence[dict[str, Any]], same_layo
                 fg.copy_master_to_lp()
             else:  # the module's (already loaded) 16-bit weights are the source of truth
                 fg.sync_master_from_lp()
+
+
+def same_names(state: dict[str, Any], opt: Any) -> bool:
+    """Do the saved groups hold the same parameters in the same flat order as ``opt``'s? (States without
+    ``zero_layout``, DeepSpeed's own, are taken to match: their order is the model's.)"""
+    layout = state.get("zero_layout")
+    if layout is None:
+        return True
+    return [list(entry["names"]) for entry in layout] == [list(fg.names) for fg in opt.groups]
+
+
+def _padded(master: torch.Tensor, numel: int, padding: int) -> torch.Tensor:
+    """DeepSpeed saves the last rank's fp32 partition without its padding (``group_paddings``): restore it."""
+    if padding and master.numel() == numel - padding:
+        return torch.cat([master.reshape(-1), master.new_zeros(padding)])
+    return master
 
 
 def _old_layout(states: Sequence[dict[str, Any]], g: int) -> tuple[FlatLayout, list[str]]:

@@ -17,11 +17,37 @@ from typing import Any
 
 import torch
 
+from ds_zero._state import same_names
+
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 
 
-def optim_states_name(dp_rank: int, mp_rank: int = 0) -> str:
-    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+def optim_states_name(dp_rank: int, mp_rank: int = 0, prefix: str = "") -> str:
+    """DeepSpeed's name; ``prefix`` is ``"bf16_"`` when bf16 is enabled (DeepSpeed names those files so)."""
+    return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def _plain_loss_scaler(value: Any) -> dict[str, Any] | None:
+    """DeepSpeed pickles its loss-scaler object; read back with placeholders, its attributes are the state."""
+    if value is None or isinstance(value, dict):
+        return value
+    state = getattr(value, "state", None)
+    if isinstance(state, dict):
+        keys = ("cur_scale", "cur_hysteresis", "cur_iter", "last_overflow_iter")
+        return {k: state[k] for k in keys if k in state}
+    return None
+
+
+def _plain_state(sd: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state with DeepSpeed's pickled objects (``ZeroStageEnum``, the loss scaler, fragment
+    addresses) turned into plain values."""
+    sd = dict(sd)
+    if "zero_stage" in sd and not isinstance(sd["zero_stage"], int):
+        sd["zero_stage"] = int(sd["zero_stage"])
+    if "loss_scaler" in sd:
+        sd["loss_scaler"] = _plain_loss_scaler(sd["loss_scaler"])
+    sd.pop("param_slice_mappings", None)
+    return sd
 
 
 def shared_params(module: torch.nn.Module) -> dict[str, str]:
@@ -42,11 +68,12 @@ class ZeroCheckpointShards:
     owns_optimizer_state = True
 
     def __init__(self, optimizer: Any, module: torch.nn.Module, ds_config: Mapping[str, Any],
-                 ds_version: str) -> None:
+                 ds_version: str, bf16: bool = False) -> None:
         self.optimizer = optimizer
         self.module = module
         self.ds_config = dict(ds_config)
         self.ds_version = ds_version
+        self.prefix = "bf16_" if bf16 else ""
 
     def model_state_extras(self) -> Mapping[str, Any]:
         frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad}
@@ -59,9 +86,9 @@ class ZeroCheckpointShards:
         }
 
     def files_to_save(self, ctx: Any) -> Mapping[str, Any]:
-        name = optim_states_name(ctx.parallel.dp_rank, ctx.parallel.mp_rank)
-        return {name: {OPTIMIZER_STATE_DICT: self.optimizer.state_dict(), "ds_config": self.ds_config,
-                       "ds_version": self.ds_version}}
+        name = optim_states_name(ctx.parallel.dp_rank, ctx.parallel.mp_rank, self.prefix)
+        state = {**self.optimizer.state_dict(), "ds_version": self.ds_version}  # DeepSpeed's load asserts it
+        return {name: {OPTIMIZER_STATE_DICT: state, "ds_config": self.ds_config, "ds_version": self.ds_version}}
 
     def files_to_copy(self, ctx: Any) -> Mapping[str, str]:
         """``{name in the save dir: source file}`` copied by the first rank: the ``zero_to_fp32.py`` script, next
@@ -76,23 +103,55 @@ class ZeroCheckpointShards:
         if ctx.load_module_only or not ctx.load_optimizer_states:
             return
         mp_rank = ctx.parallel.mp_rank
-        first_name = optim_states_name(0, mp_rank)
-        first = _optimizer_state(load(first_name), first_name)
+        prefix = self._saved_prefix(ctx, mp_rank)
+        first = self._read(ctx, load, optim_states_name(0, mp_rank, prefix))
         counts = first.get("partition_count", 1)
         saved_world = max(counts) if isinstance(counts, list) else int(counts)
-        names = [optim_states_name(r, mp_rank) for r in range(saved_world)]
+        names = [optim_states_name(r, mp_rank, prefix) for r in range(saved_world)]
         # every rank checks every file before loading anything, so all ranks fail together rather than some
         # of them waiting in the weight gather for a rank that raised
         missing = [n for n in names if not os.path.isfile(os.path.join(ctx.tag_dir, n))]
         if missing:
             raise FileNotFoundError(f"ZeRO checkpoint {ctx.tag_dir} was saved by {saved_world} data-parallel ranks "
                                     f"but {missing} are missing; the checkpoint is incomplete (load another tag)")
-        if saved_world == ctx.parallel.dp_world_size:
-            own = names[ctx.parallel.dp_rank]
-            self.optimizer.load_state_dict(first if own == first_name else _optimizer_state(load(own), own))
+        if saved_world == ctx.parallel.dp_world_size and same_names(first, self.optimizer):
+            own = ctx.parallel.dp_rank
+            self.optimizer.load_state_dict(first if own == 0 else self._read(ctx, load, names[own]))
             return
-        states = [first] + [_optimizer_state(load(n), n) for n in names[1:]]
+        states = [first] + [self._read(ctx, load, n) for n in names[1:]]
+        if "zero_layout" not in first:  # written by DeepSpeed: the flat order is the model file's param_shapes
+            first["zero_layout"] = self._layout_from_param_shapes(ctx, load, saved_world)
         self.optimizer.load_state_dict(states)
+
+    def _saved_prefix(self, ctx: Any, mp_rank: int) -> str:
+        """This engine's file prefix, else the other one (a bf16 checkpoint loaded without bf16, or vice versa)."""
+        for prefix in (self.prefix, "bf16_" if not self.prefix else ""):
+            if os.path.isfile(os.path.join(ctx.tag_dir, optim_states_name(0, mp_rank, prefix))):
+                return prefix
+        return self.prefix  # missing: the read names the expected file
+
+    @staticmethod
+    def _read(ctx: Any, load: Callable[[str], Any], name: str) -> dict[str, Any]:
+        """One optimizer-states file; DeepSpeed's own files pickle a few of its classes, which a weights-only
+        load refuses: those are read as inert placeholders (no code from the file runs) and made plain."""
+        try:
+            obj = load(name)
+        except Exception as exc:
+            if type(exc).__name__ != "UnsafeCheckpointError":
+                raise
+            from ds_zero.zero_to_fp32 import _load as load_with_placeholders
+
+            obj = load_with_placeholders(os.path.join(ctx.tag_dir, name))
+        return _plain_state(_optimizer_state(obj, name))
+
+    def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
+        name = f"mp_rank_{ctx.parallel.mp_rank:02d}_model_states.pt"
+        shapes = load(name).get("param_shapes")
+        if not shapes:
+            raise ValueError(f"{name} has no 'param_shapes', so the ZeRO partitions of {ctx.tag_dir} cannot be cut "
+                             f"for {ctx.parallel.dp_world_size} ranks; load it on {saved_world}")
+        return [{"names": list(group), "numels": [int(torch.Size(s).numel()) for s in group.values()],
+                 "alignment": 2 * saved_world} for group in shapes]
 
 
 def _optimizer_state(obj: Any, name: str) -> dict[str, Any]:

@@ -95,7 +95,8 @@ def zero_settings(config: Any) -> Any:
         ignore_unused_parameters=bool(zero.ignore_unused_parameters), comm_dtype=_comm_dtype(config),
         prescale_gradients=bool(config.prescale_gradients),
         gradient_predivide_factor=float(config.gradient_predivide_factor))
-    check = config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
+    check = (config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
+             or _loss_scaler(config) is not None)  # torch_autocast fp16 scales the loss too
     return ZeroSettings(stage=stage, reduce=reduce, allgather_bucket_numel=int(zero.allgather_bucket_size),
                         allgather_partitions=bool(zero.allgather_partitions),
                         round_robin_gradients=bool(zero.round_robin_gradients),
@@ -130,6 +131,7 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
         names.setdefault(p, name)
     wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
                                      loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group)
-    wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__),)
+    wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
+                                                      bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer
 

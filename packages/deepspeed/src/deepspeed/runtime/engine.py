@@ -153,8 +153,17 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         ctx = autocast_context(self._config.torch_autocast_enabled, self._autocast_dtype(), self.device.type)
         with ctx:
             out = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.optimizer is not None:
+            # a hook on the outputs runs in the outermost backward, before any reentrant checkpoint's nested one
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._on_output_grad)
         self.timers.stop(FORWARD)
         return out
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
 
     # ---- backward --------------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -197,16 +206,19 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """Per-parameter hook, as the gradient lands: precision bookkeeping, then (maybe) overlapped reduction."""
         if not self._in_backward:
-            if self.optimizer.scales_loss and not self._scaled:
-                raise RuntimeError("loss.backward() was called on an unscaled loss while fp16 loss scaling is on: "
-                                   "use engine.backward(loss), or engine.scale(loss).backward()")
-            self._in_backward = True
-            self._syncing = self._should_sync()
-            if not self._engine_backward:  # a direct loss.backward(): finish when autograd's graph task ends
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._begin_backward()
         self.optimizer.on_grad(param)
         if self._syncing:
             self.reducer.grad_ready(param)
+
+    def _begin_backward(self) -> None:
+        if self.optimizer.scales_loss and not self._scaled:
+            raise RuntimeError("loss.backward() was called on an unscaled loss while fp16 loss scaling is on: "
+                               "use engine.backward(loss), or engine.scale(loss).backward()")
+        self._in_backward = True
+        self._syncing = self._should_sync()
+        if not self._engine_backward:  # a direct loss.backward(): finish when autograd's graph task ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         if self._syncing:
@@ -425,6 +437,18 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         self._hook_handles = []
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output (nested tuples, lists, dicts such as Hugging Face's ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

@@ -105,6 +105,12 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
         validate_tags(tags, state.checkpoint_config.tag_validation, meeting.rank)
     tag_dir = os.path.join(load_dir, tag)
     path = os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
+    if meeting is not None:  # a rank-specific tag can leave some ranks without their file: fail together
+        found = meeting.exchange("found", str(os.path.isfile(path)), f"check {path}")
+        missing = sorted(r for r, v in found.items() if v == "False")
+        if missing and len(missing) < len(found):
+            raise CheckpointError(f"{_OP}: the model-states file of tag {tag!r} is missing on ranks {missing} but "
+                                  "present on the others (rank-specific tags?); load one tag on every rank")
     if not os.path.isfile(path):
         logger.warning(f"Client provided checkpoint load path: {path} does not exist ... skip checkpoint load")
         return None, None
