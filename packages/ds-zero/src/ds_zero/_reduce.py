@@ -309,10 +309,20 @@ class PartitionedReducer:
         self.reduced = True
         self._pass_open = False
         unused, self._unused = self._unused, []
-        if unused and self.every_micro_step and not self.settings.ignore_unused_parameters:
-            raise RuntimeError(f"ZeRO stage 2: {len(unused)} parameter(s) received no gradient in this backward "
-                               f"(shapes {[tuple(p.shape) for p in unused[:5]]}); set "
-                               "zero_optimization.ignore_unused_parameters to true to allow unused parameters")
+        if self.every_micro_step and not self.settings.ignore_unused_parameters:
+            self._check_unused(unused)
+
+    def _check_unused(self, unused: list[torch.nn.Parameter]) -> None:
+        """Raise on every rank when any rank had unused parameters (one rank raising alone would leave the
+        others waiting in their next collective)."""
+        count = torch.tensor([float(len(unused))], device=self.buckets[0].device if self.buckets else "cpu")
+        if self.world > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        if count.item() > 0:
+            here = (f"{len(unused)} parameter(s) of shapes {[tuple(p.shape) for p in unused[:5]]} received no "
+                    "gradient on this rank" if unused else "another rank had parameters without a gradient")
+            raise RuntimeError(f"ZeRO stage 2: {here} in this backward; set zero_optimization."
+                               "ignore_unused_parameters to true to allow unused parameters")
 
     def _write_back(self, bucket: _Bucket) -> None:
         dsts, srcs = [], []
