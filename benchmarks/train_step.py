@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import cpu_model, paired, spawn_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -146,32 +145,15 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, list[tuple[float, float]]], dict[str, str]]:
     """Start the ranks; returns rank 0's per-repetition (wall, CPU) seconds and optimizer class per variant."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(args, _free_port(), queue), nprocs=args.world_size, join=True,
-                       start_method="spawn")
-    return queue.get()
+    return spawn_ranks(_rank_main, args, args.world_size)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
-def _paired(base: list[float], other: list[float]) -> float:
-    """Median over repetitions of base/other (time ratios = throughput ratios of other over base)."""
-    return statistics.median(b / o for b, o in zip(base, other, strict=True))
 
 
 def report(args: argparse.Namespace, times: dict[str, list[tuple[float, float]]], optimizers: dict[str, str]) -> str:
@@ -187,7 +169,7 @@ def report(args: argparse.Namespace, times: dict[str, list[tuple[float, float]]]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [
         f"train step throughput: engine (ZeRO stage 0, fp32) vs torch DDP, {args.world_size} ranks, gloo, CPU",
-        f"machine: {os.cpu_count()} cores ({_cpu_model()}), torch {torch.__version__}, python "
+        f"machine: {os.cpu_count()} cores ({cpu_model()}), torch {torch.__version__}, python "
         f"{platform.python_version()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
         f"load average (1 min) at the end {load:.2f}",
         f"model: GPT {args.n_layer} layers, d_model {args.d_model}, block {args.block_size}; micro batch "
@@ -201,8 +183,8 @@ def report(args: argparse.Namespace, times: dict[str, list[tuple[float, float]]]
         med = statistics.median(rates)
         cpu_ms = 1000 * statistics.median(cpu[name]) / args.steps
         lines.append(f"{name:<17} {optimizers[name]:<10} {med:>9.1f} {f'[{rates[0]:.0f} - {rates[-1]:.0f}]':>15} "
-                     f"{med / base:>6.3f}x {_paired(wall['ddp'], wall[name]):>6.3f}x {cpu_ms:>11.1f} "
-                     f"{_paired(cpu['ddp'], cpu[name]):>9.3f}x")
+                     f"{med / base:>6.3f}x {paired(wall['ddp'], wall[name]):>6.3f}x {cpu_ms:>11.1f} "
+                     f"{paired(cpu['ddp'], cpu[name]):>9.3f}x")
     lines += ["",
               "samples/s: global, median over reps (wall clock); ratio: of the medians to ddp's; paired: median of",
               "per-rep ratios to the adjacent ddp run; CPU: rank 0 process CPU time. Higher ratio = faster than ddp.",

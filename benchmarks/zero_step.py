@@ -30,7 +30,6 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import statistics
 import time
 import warnings
@@ -39,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import cpu_model, paired, spawn_ranks
 from torch import nn
 
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
@@ -331,33 +330,16 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace) -> dict:
     """Start the ranks; returns rank 0's results per model."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(args, _free_port(), queue), nprocs=args.world_size, join=True,
-                       start_method="spawn")
-    return queue.get()
+    return spawn_ranks(_rank_main, args, args.world_size)
 
 
 # ---- the report ---------------------------------------------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
-def _paired(num: list[float], den: list[float]) -> float:
-    """Median over repetitions of num/den (each repetition's runs are adjacent in time)."""
-    return statistics.median(n / d for n, d in zip(num, den, strict=True))
 
 
 def _fmt_ratio(value: float | None) -> str:
@@ -377,10 +359,10 @@ def timing_table(model: str, res: dict, args: argparse.Namespace) -> list[str]:
         rate = samples / statistics.median(wall[v])
         vs0 = vs0p = vs0c = s0ddp = s0ddpp = None
         if "stage0" in wall and v not in ("ddp", "stage0"):
-            vs0, vs0p, vs0c = (med[v] / med["stage0"], _paired(wall[v], wall["stage0"]),
-                               _paired(cpu[v], cpu["stage0"]))
+            vs0, vs0p, vs0c = (med[v] / med["stage0"], paired(wall[v], wall["stage0"]),
+                               paired(cpu[v], cpu["stage0"]))
         if v == "stage0" and "ddp" in wall:
-            s0ddp, s0ddpp = med["ddp"] / med["stage0"], _paired(wall["ddp"], wall["stage0"])
+            s0ddp, s0ddpp = med["ddp"] / med["stage0"], paired(wall["ddp"], wall["stage0"])
         lines.append(f"{v:<15} {res['kernels'][v]:<16} {1e3 * med[v]:>8.2f} {rate:>9.1f} {_fmt_ratio(vs0):>8} "
                      f"{_fmt_ratio(vs0p):>8} {_fmt_ratio(vs0c):>10} {_fmt_ratio(s0ddp):>10} {_fmt_ratio(s0ddpp):>8}")
     return lines
@@ -410,7 +392,7 @@ def phase_table(phases: dict[str, dict[str, float]]) -> list[str]:
 def report(args: argparse.Namespace, results: dict) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [f"ZeRO step time: stages 0/1/2/2+offload vs torch DDP, {args.world_size} gloo ranks, CPU, fp32",
-             f"machine: {os.cpu_count()} cores ({_cpu_model()}), torch {torch.__version__}, python "
+             f"machine: {os.cpu_count()} cores ({cpu_model()}), torch {torch.__version__}, python "
              f"{platform.python_version()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"load average (1 min) at the end {load:.2f}",
              f"{args.reps} interleaved reps x {args.steps} steps (after {args.warmup} warm-up); MLP "
