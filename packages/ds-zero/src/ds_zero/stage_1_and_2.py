@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup
 from ds_zero._gather import gather_method, gather_partitions
+from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
 from ds_zero._registry import register
 from ds_zero._state import load_partitioned_state, partitioned_state_dict
@@ -68,7 +69,7 @@ def _is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return "fp16_param_groups" in inspect.signature(optimizer.step).parameters
 
 
-class DeepSpeedZeroOptimizer:
+class DeepSpeedZeroOptimizer(LossScaledWrapper):
     """ZeRO stage 1/2 optimizer wrapper around ``init_optimizer`` (a torch optimizer over model parameters).
 
     ``names``: parameter -> name (for checkpoints); ``params``: the trainable parameters in model order
@@ -123,31 +124,8 @@ class DeepSpeedZeroOptimizer:
 
     # ---- the engine's view ----------------------------------------------------------------------------------
     @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def cur_scale(self) -> float:
-        return self.loss_scale
-
-    @property
-    def scales_loss(self) -> bool:
-        return self.loss_scaler is not None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
     def partition_gradients(self) -> bool:
         return self.settings.stage >= 2
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale if self.loss_scaler is not None else loss
 
     def _accumulates(self, param: torch.nn.Parameter) -> bool:
         """Stage 1 keeps full gradients: with fp32 accumulation they are summed into an fp32 buffer."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed.runtime._loss_scaler import DynamicLossScaler, StaticLossScaler
+from ds_zero._loss_scaled import LossScaledWrapper
 
 Scaler = StaticLossScaler | DynamicLossScaler | None
 
@@ -41,7 +42,7 @@ def _agree_on_overflow(overflow: bool, group: Any) -> bool:
     return bool(flag.item() > 0)
 
 
-class FP32Optimizer:
+class FP32Optimizer(LossScaledWrapper):
     """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
@@ -54,33 +55,10 @@ class FP32Optimizer:
         self.global_grad_norm: float | None = None
         self.overflow = False
 
-    # ---- the engine's view --------------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def cur_scale(self) -> float:  # DeepSpeed's FP16_Optimizer attribute name (read by clients)
-        return self.loss_scale
-
-    @property
-    def scales_loss(self) -> bool:
-        return self.loss_scaler is not None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
+    # ---- the engine's view (loss_scale, cur_scale, scales_loss, param_groups, state: LossScaledWrapper) ----
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale if self.loss_scaler is not None else loss
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """The gradient stays in ``param.grad``: nothing to do."""

@@ -2,7 +2,7 @@
 wrapper and gradient reducer of the ZeRO stage, the LR schedule, the monitor and the flops profiler.
 
 ZeRO stages plug in through ``STAGE_BUILDERS`` (stage -> ``"module:function"``, imported on first use so
-stage 0 never imports ds_zero) or ``register_zero_stage(stage, builder)``: a builder takes a ``StageInputs``
+stage 0 never loads the ZeRO optimizer) or ``register_zero_stage(stage, builder)``: a builder takes a ``StageInputs``
 and returns ``(OptimizerWrapper, GradientReducer)`` (see ``optimizer_wrapper``).
 """
 
