@@ -13,12 +13,28 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _OWNERS = WeakIdKeyDictionary()
+_MASTERS = WeakIdKeyDictionary()  # param -> (weakref to the torch optimizer, its whole fp32 master)
 
 
 def register(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
     ref = weakref.ref(optimizer)
     for p in params:
         _OWNERS[p] = ref
+
+
+def register_masters(optimizer: torch.optim.Optimizer, masters: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+    """Stage 0 with fp16/bf16: each parameter's whole (unpartitioned) fp32 master inside ``optimizer``, which
+    the ``safe_*`` APIs read and write as DeepSpeed's BF16_Optimizer allows."""
+    ref = weakref.ref(optimizer)
+    for p, master in masters.items():
+        _MASTERS[p] = (ref, master)
+
+
+def unpartitioned_master(param: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+    """``(torch optimizer, fp32 master)`` of a stage-0 mixed-precision parameter, or None."""
+    entry = _MASTERS.get(param)
+    optimizer = entry[0]() if entry is not None else None
+    return None if optimizer is None else (optimizer, entry[1])
 
 
 def owner_of(param: torch.nn.Parameter) -> Any | None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._registry import owner_of
+from ds_zero._registry import owner_of, unpartitioned_master
 from ds_zero.partition import Fragment
 from ds_zero.utils import is_zero_param
 
@@ -90,6 +90,23 @@ def _flat_value(param: torch.nn.Parameter, value: Any, call: str) -> torch.Tenso
     return value.detach().reshape(-1)
 
 
+def _init_adam_state(opt: Any, group: Any) -> None:
+    """Create a torch Adam/AdamW group's state now, exactly as its first step would (zeros, step 0), so the state
+    can be set before that step (the spec: "at any point after initialization"); other optimizers are left
+    alone (their lazy state is theirs to define)."""
+    inner, master = opt.optimizer, group.master
+    if opt.optimizer.state.get(master) or not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
+        return
+    pg = next(g for g in inner.param_groups if any(p is master for p in g["params"]))
+    on_device = pg.get("capturable") or pg.get("fused")
+    step = torch.zeros((), dtype=torch.float32, device=master.device if on_device else "cpu")
+    state = {"step": step, "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format)}
+    if pg.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    inner.state[master] = state
+
+
 def _state_partition(opt: Any, group: Any, key: Any, call: str) -> torch.Tensor:
     """The optimizer state ``key`` of a group's master partition (a flat tensor of the partition's size)."""
     state = opt.optimizer.state.get(group.master, {})
@@ -150,13 +167,32 @@ def _grad_partition(group: Any) -> torch.Tensor:
     return group.grad_partition
 
 
+def _accum_dtype(opt: Any, param: torch.nn.Parameter) -> torch.dtype:
+    """The gradient accumulation dtype, which the spec says the gradient getters return (stage 1 reduces into
+    an fp32 partition whatever that dtype is: narrowing its values back is exact)."""
+    return torch.float32 if opt.settings.fp32_grad_accum else param.dtype
+
+
+def _whole_state(found: tuple[Any, torch.Tensor], key: Any, call: str) -> torch.Tensor:
+    """Optimizer state ``key`` of a stage-0 fp32 master (not partitioned: the tensor itself)."""
+    inner, master = found
+    state = inner.state.get(master, {})
+    value = state.get(key)
+    if not (isinstance(value, torch.Tensor) and value.shape == master.shape):
+        have = sorted(str(k) for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == master.shape)
+        raise ValueError(f"{call}: optimizer state {key!r} is not a per-element state of {type(inner).__name__}; "
+                         f"available keys: {', '.join(map(repr, have)) or 'none (the optimizer has not stepped yet)'}")
+    return value
+
+
 # ---- full fp32 parameters and optimizer states -------------------------------------------------------------------
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full fp32 master value of ``param`` (its shape, on its device); None when no ZeRO optimizer
     partitions it. Collective."""
     opt = owner_of(param)
-    if opt is None:
-        return None
+    if opt is None:  # stage 0 with fp16/bf16: the whole master, when there is one
+        found = unpartitioned_master(param)
+        return None if found is None else found[1].detach().clone()
     return _assemble(opt, [param], _master, [torch.float32])[0]
 
 
@@ -165,7 +201,9 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: An
     optimizer partitions it. Collective; an unknown key raises ``ValueError`` listing the available keys."""
     opt = owner_of(param)
     if opt is None:
-        return None
+        found = unpartitioned_master(param)
+        return None if found is None else _whole_state(found, optim_state_key,
+                                                       "safe_get_full_optimizer_state").detach().clone()
     group, _ = _locate(opt, param)
     state = _state_partition(opt, group, optim_state_key, "safe_get_full_optimizer_state")
     return _assemble(opt, [param], lambda g: state, [state.dtype])[0]
@@ -177,6 +215,12 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     Every rank passes the same full ``value``, so each rank's copy of the weight equals what gathering the
     new master partitions would give (the same rounding), with no communication."""
     call = "safe_set_full_fp32_param"
+    found = unpartitioned_master(param) if owner_of(param) is None else None
+    if found is not None:
+        with torch.no_grad():
+            found[1].copy_(_flat_value(param, value, call).view(param.shape))
+            param.data.copy_(found[1])
+        return
     opt = _require_owner(param, call)
     flat = _flat_value(param, value, call)
     with torch.no_grad():
@@ -187,9 +231,15 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: Any) -> None:
     """Set the optimizer state ``optim_state_key`` of ``param`` (this rank's fragments) from the full value."""
     call = "safe_set_full_optimizer_state"
+    found = unpartitioned_master(param) if owner_of(param) is None else None
+    if found is not None:
+        with torch.no_grad():
+            _whole_state(found, optim_state_key, call).copy_(_flat_value(param, value, call).view(param.shape))
+        return
     opt = _require_owner(param, call)
     flat = _flat_value(param, value, call)
     group, _ = _locate(opt, param)
+    _init_adam_state(opt, group)
     state = _state_partition(opt, group, optim_state_key, call)
     _scatter(opt, param, lambda g: state, flat)
 
@@ -203,8 +253,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     if opt is None:
         return param.grad
     if opt.reducer.reduced:
-        group, _ = _locate(opt, param)
-        return _assemble(opt, [param], _grad_partition, [group.grad_partition.dtype])[0]
+        return _assemble(opt, [param], _grad_partition, [_accum_dtype(opt, param)])[0]
     grad = opt.get_grad(param)
     if grad is None:
         return None
@@ -214,8 +263,9 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 def _write_grad(opt: Any, param: torch.nn.Parameter, flat: torch.Tensor) -> None:
     if opt.reducer.reduced:
         _scatter(opt, param, _grad_partition, flat)
-    else:  # the local gradient that the boundary reduction (or a one-rank step) will use
-        opt.set_grad(param, flat.view(param.shape).to(param.device))
+    else:  # the local gradient that the boundary reduction (or a one-rank step) will use: a copy, since the
+        # next backward accumulates into it in place (the caller's tensor may also be given to other params)
+        opt.set_grad(param, flat.to(param.device, copy=True).view(param.shape))
 
 
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -261,7 +311,7 @@ def safe_update_full_grad_vectorized(param_list: Sequence[torch.nn.Parameter], u
         owners.setdefault(id(opt), (opt, []))[1].append(p)
     for opt, params in owners.values():
         if opt.reducer.reduced:
-            dtypes = [_locate(opt, p)[0].grad_partition.dtype for p in params]
+            dtypes = [_accum_dtype(opt, p) for p in params]
             grads = _assemble(opt, params, _grad_partition, dtypes)
         else:
             grads = [safe_get_full_grad(p) for p in params]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from deepspeed.runtime._loss_scaler import DynamicLossScaler, StaticLossScaler
 from ds_zero._loss_scaled import LossScaledWrapper
+from ds_zero._registry import register_masters
 
 Scaler = StaticLossScaler | DynamicLossScaler | None
 
@@ -155,6 +156,7 @@ class MixedPrecisionOptimizer(FP32Optimizer):
                 masters.append(master)
             group["params"] = masters
         optimizer.state.clear()  # state keyed by the low-precision tensors would no longer match
+        register_masters(optimizer, self.master_of)  # deepspeed.utils.safe_* reach the masters (as BF16_Optimizer)
 
     def _accumulates(self, param: torch.nn.Parameter) -> bool:
         """True when ``param``'s gradient lives in its master's fp32 buffer (params outside the optimizer: no)."""
