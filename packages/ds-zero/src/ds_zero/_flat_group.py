@@ -87,7 +87,9 @@ class FlatGroup:
     def copy_master_to_lp(self) -> None:
         """Write the updated fp32 master partition into this rank's slice of the model weights."""
         with torch.no_grad():
-            self.lp_partition.copy_(self.master.detach(), non_blocking=True)
+            # host-to-device may run asynchronously: the master is not written again before the next step, and the
+            # gather that follows is ordered after the copy on the device's stream
+            self.lp_partition.copy_(self.master.detach(), non_blocking=self.master.is_pinned())
 
     def sync_master_from_lp(self) -> None:
         """Refresh the master partition from the model weights (after loading weights only)."""
@@ -110,4 +112,5 @@ class FlatGroup:
         gp = self.grad_partition
         if gp.dtype == torch.float32 and gp.device == self.master.device:
             return gp
-        return gp.to(self.master.device, torch.float32, non_blocking=True)
+        # blocking: the CPU optimizer reads it right away (a non-blocking device-to-host copy may still be running)
+        return gp.to(self.master.device, torch.float32)
