@@ -32,13 +32,13 @@ import gc
 import importlib.util
 import os
 import platform
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port
 from torch import nn
 
 VARIANTS = ("stage0", "stage1", "stage2", "offload")
@@ -205,18 +205,13 @@ def _rank_main(rank: int, world: int, variant: str, dtype: str, args: argparse.N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def measure(world: int, variant: str, dtype: str, args: argparse.Namespace) -> list[dict]:
     """One fresh launch; every rank's accounting and RSS figures."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     try:
-        mp.start_processes(_rank_main, args=(world, variant, dtype, args, _free_port(), queue), nprocs=world,
+        mp.start_processes(_rank_main, args=(world, variant, dtype, args, free_port(), queue), nprocs=world,
                            join=True, start_method="spawn")
     except mp.ProcessExitedException as exc:
         # seen now and then on this machine: a rank aborts at interpreter exit ("terminate called without an
