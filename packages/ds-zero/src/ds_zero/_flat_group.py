@@ -17,6 +17,11 @@ import torch
 from ds_zero.partition import FlatLayout, Fragment, round_robin_order
 
 
+def param_homes(groups: list[FlatGroup]) -> dict[torch.nn.Parameter, tuple[int, int]]:
+    """Parameter -> (group index, index in that group's flat order)."""
+    return {p: (g, i) for g, fg in enumerate(groups) for i, p in enumerate(fg.params)}
+
+
 class FlatGroup:
     """Buffers of one parameter group; ``params`` and ``names`` are in flat (layout) order."""
 
@@ -76,12 +81,6 @@ class FlatGroup:
                 view.copy_(p.data)
                 p.data = view
         return flat
-
-    def index_of(self, param: torch.nn.Parameter) -> int:
-        for i, p in enumerate(self.params):
-            if p is param:
-                return i
-        raise KeyError("parameter is not in this group")
 
     # ---- copies between the partitions --------------------------------------------------------------
     def copy_master_to_lp(self) -> None:

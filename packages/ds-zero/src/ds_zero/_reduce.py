@@ -62,7 +62,8 @@ class _Bucket:
         self.numel, self.dtype, self.device = total, dtype, device
         self.flat: torch.Tensor | None = None  # the communication buffer while packed or in flight
         self.pooled = False  # flat is a view of a pooled buffer (returned to the pool when done)
-        self.runs: list[tuple[int, int, int]] | None = None
+        self.runs: list[tuple[int, int, int]] | None = None  # (owner, offset, numel), see _owner_runs
+        self.own: list[tuple[int, int, int, int]] | None = None  # this rank's pieces, see _own_slices
         self.received: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ready: set[int] = set()
         self.works: list[Any] = []
@@ -74,9 +75,9 @@ class _Bucket:
 class PartitionedReducer:
     """Averages gradients over the data-parallel group into each ``FlatGroup.grad_partition``."""
 
-    def __init__(self, params: list[torch.nn.Parameter], groups: list[FlatGroup], get_grad: Callable,
-                 grad_dtype: Callable, settings: ReduceSettings, process_group: Any, world_size: int,
-                 stage: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], groups: list[FlatGroup],
+                 home: dict[torch.nn.Parameter, tuple[int, int]], get_grad: Callable, grad_dtype: Callable,
+                 settings: ReduceSettings, process_group: Any, world_size: int, stage: int) -> None:
         self.every_micro_step = stage >= 2
         self.settings = settings
         self.group = process_group
@@ -84,7 +85,7 @@ class PartitionedReducer:
         self.get_grad = get_grad
         self.grad_dtype = grad_dtype
         self.free_grads = stage >= 2
-        self.home = {p: (g, fg.index_of(p)) for g, fg in enumerate(groups) for p in fg.params}
+        self.home = home  # parameter -> (group, index in the group's flat order)
         self.groups = groups
         self.params = [p for p in params if p in self.home]
         self.buckets = self._plan(self.params)
@@ -150,12 +151,15 @@ class PartitionedReducer:
             self._launch(nxt)
             self.next_launch += 1
 
-    def _acquire(self, bucket: _Bucket) -> torch.Tensor:
-        """A buffer for ``bucket``: from the pool (``contiguous_gradients``) once the bucket in flight longest
-        has been written back when the limit is reached, else a fresh one."""
+    def _make_room(self) -> None:
+        """Complete the buckets in flight longest until fewer than the limit (2 with ``overlap_comm``, else 1)
+        remain, so at most that many communication buffers are alive."""
         limit = 2 if self.settings.overlap_comm else 1
         while len(self._inflight) >= limit:
             self._complete(self._inflight.popleft())
+
+    def _acquire(self, bucket: _Bucket) -> torch.Tensor:
+        """A buffer for ``bucket``: from the pool (``contiguous_gradients``), else a fresh one."""
         if not self.settings.contiguous_gradients or bucket.numel > self.settings.bucket_numel:
             return torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
         bucket.pooled = True
@@ -187,16 +191,13 @@ class PartitionedReducer:
         if grad is None or grad.is_sparse or grad.dtype != bucket.dtype or not grad.is_contiguous():
             return False
         bucket.flat = grad.view(-1)
-        if self.free_grads:
-            p.grad = None
+        p.grad = None
         return True
 
     def _pack(self, bucket: _Bucket) -> None:
         """Copy the bucket's gradients (zeros for those without one) into its buffer; stage 2 frees them."""
+        self._make_room()
         if self._pack_in_place(bucket):
-            limit = 2 if self.settings.overlap_comm else 1
-            while len(self._inflight) >= limit:
-                self._complete(self._inflight.popleft())
             return
         bucket.flat = self._acquire(bucket)
         for i, p in enumerate(bucket.params):
@@ -324,15 +325,23 @@ class PartitionedReducer:
             raise RuntimeError(f"ZeRO stage 2: {here} in this backward; set zero_optimization."
                                "ignore_unused_parameters to true to allow unused parameters")
 
+    def _own_slices(self, bucket: _Bucket) -> list[tuple[int, int, int, int]]:
+        """``(group, partition offset, bucket offset, numel)`` of the pieces this rank owns (cached: the layout
+        is fixed, and this runs after every bucket's reduction)."""
+        if bucket.own is None:
+            bucket.own = []
+            for i, p in enumerate(bucket.params):
+                g, j = self.home[p]
+                fg = self.groups[g]
+                bucket.own.extend((g, frag.partition_offset, bucket.offsets[i] + frag.tensor_offset, frag.numel)
+                                  for owner, frag in fg.layout.owners(j) if owner == fg.rank)
+        return bucket.own
+
     def _write_back(self, bucket: _Bucket) -> None:
         dsts, srcs = [], []
-        for i, p in enumerate(bucket.params):
-            g, j = self.home[p]
-            fg = self.groups[g]
-            for owner, frag in fg.layout.owners(j):
-                if owner == fg.rank:
-                    dsts.append(fg.grad_partition.narrow(0, frag.partition_offset, frag.numel))
-                    srcs.append(bucket.slice(i).narrow(0, frag.tensor_offset, frag.numel))
+        for g, part_offset, offset, numel in self._own_slices(bucket):
+            dsts.append(self.groups[g].grad_partition.narrow(0, part_offset, numel))
+            srcs.append(bucket.flat.narrow(0, offset, numel))
         if not dsts:
             return
         if all(d.dtype == s.dtype for d, s in zip(dsts, srcs, strict=True)):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._flat_group import FlatGroup
+from ds_zero._flat_group import FlatGroup, param_homes
 from ds_zero._gather import gather_method, gather_partitions
 from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
@@ -65,7 +65,8 @@ class ZeroSettings:
     pin_memory: bool = False
 
 
-def _is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+def is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """A ds-ops CPU optimizer, which can write the updated low-precision weights in its own pass."""
     return "fp16_param_groups" in inspect.signature(optimizer.step).parameters
 
 
@@ -89,12 +90,12 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self.rank = dist.get_rank(dp_group) if distributed else 0
         self.global_grad_norm: float | None = None
         self.overflow = False
-        self._cpu_adam = settings.offload_device == "cpu" and _is_ds_cpu_optimizer(init_optimizer)
+        self._cpu_adam = settings.offload_device == "cpu" and is_ds_cpu_optimizer(init_optimizer)
         self.groups = self._build_groups(names)
-        self.home = {p: (g, fg.index_of(p)) for g, fg in enumerate(self.groups) for p in fg.params}
+        self.home = param_homes(self.groups)
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self.reducer = PartitionedReducer(params, self.groups, self.get_grad, self.grad_dtype, settings.reduce,
-                                          dp_group, self.world, settings.stage)
+        self.reducer = PartitionedReducer(params, self.groups, self.home, self.get_grad, self.grad_dtype,
+                                          settings.reduce, dp_group, self.world, settings.stage)
         self._gather = gather_method(dp_group, settings.allgather_partitions) if self.world > 1 else "none"
         register(self, list(self.home))
 

@@ -7,7 +7,6 @@ Every documented ``zero_optimization`` field is either honoured by ds-zero or re
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -109,7 +108,9 @@ def zero_settings(config: Any) -> Any:
 def _check_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> None:
     if not config.zero_force_ds_cpu_optimizer:
         return
-    if "fp16_param_groups" not in inspect.signature(optimizer.step).parameters:
+    from ds_zero.stage_1_and_2 import is_ds_cpu_optimizer
+
+    if not is_ds_cpu_optimizer(optimizer):
         why = (f"offload_optimizer.device=cpu steps on the CPU, and {type(optimizer).__name__} is not a DeepSpeed "
                "CPU optimizer (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion); use one, let the config's "
                "'optimizer' section build it, or set zero_force_ds_cpu_optimizer to false")
