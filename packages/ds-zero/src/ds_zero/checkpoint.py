@@ -102,9 +102,13 @@ class ZeroCheckpointShards:
     def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
         if ctx.load_module_only or not ctx.load_optimizer_states:
             return
-        mp_rank = ctx.parallel.mp_rank
+        mp_rank, rank = ctx.parallel.mp_rank, ctx.parallel.dp_rank
         prefix = self._saved_prefix(ctx, mp_rank)
-        first = self._read(ctx, load, optim_states_name(0, mp_rank, prefix))
+        # this rank's own file when it exists (the usual, same-world case reads nothing else), else rank 0's
+        probe = optim_states_name(rank, mp_rank, prefix)
+        if not os.path.isfile(os.path.join(ctx.tag_dir, probe)):
+            probe = optim_states_name(0, mp_rank, prefix)
+        first = self._read(ctx, load, probe)
         counts = first.get("partition_count", 1)
         saved_world = max(counts) if isinstance(counts, list) else int(counts)
         names = [optim_states_name(r, mp_rank, prefix) for r in range(saved_world)]
@@ -115,12 +119,11 @@ class ZeroCheckpointShards:
             raise FileNotFoundError(f"ZeRO checkpoint {ctx.tag_dir} was saved by {saved_world} data-parallel ranks "
                                     f"but {missing} are missing; the checkpoint is incomplete (load another tag)")
         if saved_world == ctx.parallel.dp_world_size and same_names(first, self.optimizer):
-            own = ctx.parallel.dp_rank
-            self.optimizer.load_state_dict(first if own == 0 else self._read(ctx, load, names[own]))
+            self.optimizer.load_state_dict(first)  # probe is this rank's file: it exists when none is missing
             return
-        states = [first] + [self._read(ctx, load, n) for n in names[1:]]
-        if "zero_layout" not in first:  # written by DeepSpeed: the flat order is the model file's param_shapes
-            first["zero_layout"] = self._layout_from_param_shapes(ctx, load, saved_world)
+        states = [first if n == probe else self._read(ctx, load, n) for n in names]
+        if "zero_layout" not in states[0]:  # written by DeepSpeed: the flat order is the model file's param_shapes
+            states[0]["zero_layout"] = self._layout_from_param_shapes(ctx, load, saved_world)
         self.optimizer.load_state_dict(states)
 
     def _saved_prefix(self, ctx: Any, mp_rank: int) -> str:
