@@ -105,7 +105,7 @@ def _grad_accum_fp32(config: Any) -> bool:
     if dtype == config.precision:
         return False
     raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", f"cannot accumulate {config.precision} "
-                                    "gradients in this dtype with ZeRO stage 0; accepted: fp32 or the training "
+                                    "gradients in this dtype; accepted: fp32 or the training "
                                     f"dtype ({config.precision})", dtype))
 
 
@@ -115,7 +115,7 @@ def _comm_dtype(config: Any) -> torch.dtype | None:
         return None
     table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     if name not in table:
-        raise ConfigError(ConfigProblem("communication_data_type", "not usable for gradient all-reduce; accepted: "
+        raise ConfigError(ConfigProblem("communication_data_type", "not usable for gradient reduction; accepted: "
                                         "fp32, fp16, bf16", name))
     return table[name]
 

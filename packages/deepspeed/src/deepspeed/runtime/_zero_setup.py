@@ -11,11 +11,9 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime._setup import StageInputs, _loss_scaler
+from deepspeed.runtime._setup import StageInputs, _comm_dtype, _grad_accum_fp32, _loss_scaler
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
-
-_COMM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _problem(key: str, why: str, value: Any) -> ConfigProblem:
@@ -53,27 +51,6 @@ def _unsupported(zero: Any, stage: int) -> list[ConfigProblem]:
     return problems
 
 
-def _grad_accum_fp32(config: Any) -> bool:
-    dtype = config.data_types.grad_accum_dtype
-    if dtype is None or dtype == config.precision:
-        return False
-    if dtype in ("fp32", "float32", "float"):
-        return config.precision in ("fp16", "bf16")
-    raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", "cannot accumulate "
-                                    f"{config.precision} gradients in this dtype; accepted: fp32 or the training "
-                                    f"dtype ({config.precision})", dtype))
-
-
-def _comm_dtype(config: Any) -> torch.dtype | None:
-    name = config.communication_data_type
-    if name is not None:
-        if name not in _COMM:
-            raise ConfigError(ConfigProblem("communication_data_type", "not usable for ZeRO gradient reduction; "
-                                            "accepted: fp32, fp16, bf16", name))
-        return _COMM[name]
-    return torch.float32 if config.fp32_allreduce else None
-
-
 def zero_settings(config: Any) -> Any:
     """The ds-zero settings of a ZeRO stage 1/2 config (raises ``ConfigError`` listing every unsupported option)."""
     from ds_zero.stage_1_and_2 import ReduceSettings, ZeroSettings
@@ -91,7 +68,8 @@ def zero_settings(config: Any) -> Any:
         bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
         contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
         use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
-        ignore_unused_parameters=bool(zero.ignore_unused_parameters), comm_dtype=_comm_dtype(config),
+        ignore_unused_parameters=bool(zero.ignore_unused_parameters),
+        comm_dtype=_comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
         prescale_gradients=bool(config.prescale_gradients),
         gradient_predivide_factor=float(config.gradient_predivide_factor))
     check = (config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
@@ -101,7 +79,8 @@ def zero_settings(config: Any) -> Any:
                         round_robin_gradients=bool(zero.round_robin_gradients),
                         load_from_fp32_weights=bool(zero.load_from_fp32_weights),
                         clip=float(config.gradient_clipping), check_overflow=bool(check),
-                        fp32_grad_accum=_grad_accum_fp32(config), offload_device=offload,
+                        fp32_grad_accum=_grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
+                        offload_device=offload,
                         pin_memory=bool(off.pin_memory) if offload else False)
 
 
