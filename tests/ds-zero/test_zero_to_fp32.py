@@ -444,17 +444,20 @@ print(converted, eager)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RssAnon from /proc/self/status")
 def test_conversion_resident_memory_stays_near_one_shard(tmp_path):
-    """Real memory: anonymous RSS (mmap'd checkpoint pages excluded) while converting a 48 MB model."""
+    """Real memory: anonymous RSS (mmap'd checkpoint pages excluded) while converting a 128 MB model.
+
+    The model is large enough that the allocator's and the first call's own few MB stay well inside the margin
+    (a 48 MB model measured 20-24 MB, too close to its bound)."""
     torch.manual_seed(0)
-    big = torch.nn.Sequential(*[torch.nn.Linear(1000, 1000, bias=False) for _ in range(12)])  # 12 x 4 MB
+    big = torch.nn.Sequential(*[torch.nn.Linear(1414, 1414, bias=False) for _ in range(16)])  # 16 x 8 MB
     names = [name for name, _ in big.named_parameters()]
-    write_checkpoint(tmp_path / "ckpt", big, 2, groups=[names[:6], names[6:]])
-    total, shard = 12 * 4_000_000, 8_000_000
+    write_checkpoint(tmp_path / "ckpt", big, 2, groups=[names[:8], names[8:]])
+    total, shard = 16 * 1414 * 1414 * 4, 16_000_000
     done = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(tmp_path / "ckpt"), str(tmp_path / "out"),
                            str(shard)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     converted, eager = map(int, done.stdout.split())
-    # expected ~12 MB (one 8 MB shard + one 4 MB param) plus interpreter noise; loading it all would be >= 48 MB
-    assert converted < 0.4 * total, (converted, eager)
+    # one full shard (2 params) plus the param that overflows it: ~24 MB; loading it all would be >= 128 MB
+    assert converted < 0.3 * total, (converted, eager)
     # the same probe sees the eager state dict hold the model (less what the heap kept from the conversion)
     assert eager > 0.6 * total, (converted, eager)
