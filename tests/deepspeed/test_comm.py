@@ -263,14 +263,14 @@ def _timeout_names_the_rank():
         except RuntimeError as exc:
             result = (time.monotonic() - start, " ".join(getattr(exc, "__notes__", [])))
     else:
-        time.sleep(3)  # never joins: rank 0 must give up after the group's 1 s, not wait for us
+        time.sleep(6)  # never joins: rank 0 must give up after the group's 1 s, not wait for us
     dist.destroy_process_group()
     return result
 
 
 def test_collective_times_out_and_names_rank():
     elapsed, note = run_distributed(_timeout_names_the_rank, 2, init_process_group=False, timeout=30)[0]
-    assert 0.7 < elapsed < 2.9
+    assert 0.7 < elapsed < 5
     assert "deepspeed.comm.all_reduce failed on rank 0" in note and "call #" in note
 
 

@@ -114,7 +114,7 @@ def test_write_events_does_not_wait_for_a_stalled_backend(tmp_path):
     start = time.perf_counter()
     for events in EVENTS:
         master.write_events(events)
-    assert time.perf_counter() - start < 0.5 and written == []
+    assert time.perf_counter() - start < 5 and written == []  # far below the backend's 10 s stall
     assert not master.flush(timeout=0.05)  # still stuck
     release.set()
     assert master.flush(timeout=10) and len(written) == 2

@@ -37,7 +37,8 @@ def test_cached_load_takes_milliseconds(ops_cache, fresh_process_cache):
     start = time.perf_counter()
     lib = CPUAdamBuilder().load()
     elapsed = time.perf_counter() - start
-    assert elapsed < 0.2, f"cached load took {elapsed:.3f} s"
+    # a compile takes seconds; the cached load's own speed is measured in benchmarks/cpu_adam.py
+    assert elapsed < 1.0, f"cached load took {elapsed:.3f} s"
     assert CPUAdamBuilder().is_built() == "cached"
     assert CPUAdamBuilder().load() is lib  # once per process
 
