@@ -241,6 +241,36 @@ def test_comms_logger_counts_sizes_and_summary(capfd):
     assert printed.count("Total Latency(ms)") == 1  # printed on rank 0 only
 
 
+def _profiled_point_to_point():
+    """Profiled point-to-point ops are not waited on for their timing: both ranks send first here, so a
+    send that waited for its receive would deadlock (and a gloo point-to-point work waited twice blocks)."""
+    ds_comm.comms_logger.reset()
+    ds_comm.configure(CommsLoggerConfig(enabled=True, prof_all=True))
+    try:
+        peer = 1 - ds_comm.get_rank()
+        got = torch.zeros(8)
+        sent = ds_comm.isend(torch.full((8,), float(ds_comm.get_rank())), dst=peer)
+        ds_comm.irecv(got, src=peer).wait()
+        sent.wait()
+        mine, theirs = torch.full((4,), 10.0 + ds_comm.get_rank()), torch.zeros(4)
+        works = ds_comm.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)])
+        for work in works:
+            work.wait()
+        ds_comm.all_reduce(torch.ones(2), async_op=True).wait()
+        records = {op: {size: rec.count for size, rec in sizes.items()}
+                   for op, sizes in ds_comm.comms_logger.comms_dict.items()}
+    finally:
+        ds_comm.configure(CommsLoggerConfig())
+        ds_comm.comms_logger.reset()
+    return got[0].item(), theirs[0].item(), records
+
+
+def test_profiled_async_ops_can_still_be_waited():
+    for rank, (got, theirs, records) in enumerate(run_distributed(_profiled_point_to_point, 2, timeout=30)):
+        assert (got, theirs) == (1.0 - rank, 11.0 - rank)
+        assert records == {"isend": {32: 1}, "irecv": {32: 1}, "batch_isend_irecv": {16: 1}, "all_reduce": {8: 1}}
+
+
 def test_bandwidth_formulas():
     # 1 MB in 1 ms on 4 ranks: all-reduce moves 2x (alg 16 Gbps) and busbw 2(n-1)/n (12 Gbps)
     assert calc_bw_log("all_reduce", 10**6, 1.0, 4) == pytest.approx((16.0, 12.0))

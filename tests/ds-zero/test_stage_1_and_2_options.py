@@ -137,6 +137,39 @@ def test_collectives_follow_the_options():
     assert broadcast["step"] == {"all_reduce": 1, "broadcast": 2}  # the norm, then one broadcast per owner
 
 
+def _comms_logger_body(zero: dict) -> dict:
+    """One step with the comms logger on: what it recorded (ZeRO's collectives go through deepspeed.comm)."""
+    import deepspeed
+    from deepspeed import comm
+    from ds_config import CommsLoggerConfig
+
+    comm.comms_logger.reset()
+    try:
+        config = zero_config(zero, comms_logger={"enabled": True, "prof_all": True})
+        engine, _, _, _ = deepspeed.initialize(model=make_model(), config=config)
+        engine.backward(engine(torch.randn(2, IN)).pow(2).mean())
+        engine.step()
+        logged = {op: sum(r.count for r in sizes.values()) for op, sizes in comm.comms_logger.comms_dict.items()}
+        table = comm.log_summary()
+    finally:
+        comm.configure(CommsLoggerConfig())
+        comm.comms_logger.reset()
+    return {"logged": logged, "table": table, "buckets": len(engine.optimizer.reducer.buckets)}
+
+
+def test_comms_logger_records_zero_collectives():
+    def run(zero):
+        return run_distributed(_comms_logger_body, world_size=2, args=(zero,), timeout=60)[0]
+
+    # overlapped buckets: every bucket's exchange, then the norm's all-reduce and the weight gather
+    overlapped = run({"stage": 2, "overlap_comm": True, "reduce_bucket_size": 20})
+    assert overlapped["buckets"] > 1
+    assert overlapped["logged"].get("batch_isend_irecv") == overlapped["buckets"] + 1, overlapped["logged"]
+    assert overlapped["logged"].get("all_reduce", 0) >= 1 and "batch_isend_irecv" in overlapped["table"]
+    per_owner = run({"stage": 1, "use_multi_rank_bucket_allreduce": False, "allgather_partitions": False})
+    assert per_owner["logged"].get("reduce", 0) >= 2 and per_owner["logged"].get("broadcast") == 2, per_owner
+
+
 # ---- unused parameters ----------------------------------------------------------------------------------
 NO_DECAY = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0, "torch_adam": True}}
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_zero.collectives import Collectives
 from ds_zero.partition import FlatLayout
 
 P2P_MAX_WORLD = 4  # each rank sends its partition world-1 times: beyond a few ranks a ring all-gather wins
@@ -33,27 +34,27 @@ def _chunks(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(end, s + size)) for s in range(start, end, size)]
 
 
-def gather_partitions(flat: torch.Tensor, layout: FlatLayout, rank: int, group: Any, method: str,
-                      chunk_numel: int) -> None:
+def gather_partitions(comm: Collectives, flat: torch.Tensor, layout: FlatLayout, rank: int, group: Any,
+                      method: str, chunk_numel: int) -> None:
     """Make ``flat`` hold every rank's partition (each rank's own slice is already up to date)."""
     world = layout.world_size
     if world == 1 or layout.padded_numel == 0:
         return
     part = layout.partition_numel
     if method == "p2p":
-        _p2p(flat, part, rank, world, group, chunk_numel)
+        _p2p(comm, flat, part, rank, world, group, chunk_numel)
     elif method == "broadcast":
         for owner in range(world):
             src = dist.get_global_rank(group, owner) if group is not None else owner
             for lo, hi in _chunks(owner * part, (owner + 1) * part, chunk_numel):
-                dist.broadcast(flat[lo:hi], src=src, group=group)
+                comm.broadcast(flat[lo:hi], src=src, group=group)
     elif method == "all_gather":
-        _all_gather(flat, part, rank, world, group, max(1, chunk_numel // world))
+        _all_gather(comm, flat, part, rank, world, group, max(1, chunk_numel // world))
     else:
         raise ValueError(f"gather_partitions: unknown method {method!r}; accepted: all_gather, broadcast, p2p")
 
 
-def _p2p(flat: torch.Tensor, part: int, rank: int, world: int, group: Any, chunk: int) -> None:
+def _p2p(comm: Collectives, flat: torch.Tensor, part: int, rank: int, world: int, group: Any, chunk: int) -> None:
     for lo, hi in _chunks(0, part, chunk):
         ops = []
         for r in range(world):
@@ -61,12 +62,13 @@ def _p2p(flat: torch.Tensor, part: int, rank: int, world: int, group: Any, chunk
                 peer = dist.get_global_rank(group, r) if group is not None else r
                 ops.append(dist.P2POp(dist.isend, flat[rank * part + lo:rank * part + hi], peer, group))
                 ops.append(dist.P2POp(dist.irecv, flat[r * part + lo:r * part + hi], peer, group))
-        for work in dist.batch_isend_irecv(ops):
+        for work in comm.batch_isend_irecv(ops):
             work.wait()
 
 
-def _all_gather(flat: torch.Tensor, part: int, rank: int, world: int, group: Any, chunk: int) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather(comm: Collectives, flat: torch.Tensor, part: int, rank: int, world: int, group: Any,
+                chunk: int) -> None:
+    gather = comm.all_gather_into_tensor
     if chunk >= part:  # one collective straight into the flat buffer (our slice is already in place)
         gather(flat, flat[rank * part:(rank + 1) * part].clone(), group=group)
         return

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup
+from ds_zero.collectives import TORCH, Collectives
 
 AUTOCAST_COMM_DTYPE_ATTR = "_ds_autocast_comm_dtype"  # set by deepspeed.runtime.torch_autocast.init_autocast_params
 
@@ -77,7 +78,9 @@ class PartitionedReducer:
 
     def __init__(self, params: list[torch.nn.Parameter], groups: list[FlatGroup],
                  home: dict[torch.nn.Parameter, tuple[int, int]], get_grad: Callable, grad_dtype: Callable,
-                 settings: ReduceSettings, process_group: Any, world_size: int, stage: int) -> None:
+                 settings: ReduceSettings, process_group: Any, world_size: int, stage: int,
+                 comm: Collectives = TORCH) -> None:
+        self.comm = comm
         self.every_micro_step = stage >= 2
         self.settings = settings
         self.group = process_group
@@ -230,7 +233,7 @@ class PartitionedReducer:
             elif s.reduce_scatter and self._p2p:
                 bucket.works = self._exchange(bucket)
             else:
-                bucket.works = [dist.all_reduce(flat, group=self.group, async_op=True)]
+                bucket.works = [self.comm.all_reduce(flat, group=self.group, async_op=True)]
         self._inflight.append(bucket)
         if not s.overlap_comm:
             self._complete(self._inflight.popleft())
@@ -257,8 +260,8 @@ class PartitionedReducer:
     def _reduce_to_owners(self, bucket: _Bucket) -> list[Any]:
         works = []
         for owner, start, numel in self._owner_runs(bucket):
-            works.append(dist.reduce(bucket.flat[start:start + numel], dst=self._peer(owner), group=self.group,
-                                     async_op=True))
+            works.append(self.comm.reduce(bucket.flat[start:start + numel], dst=self._peer(owner), group=self.group,
+                                          async_op=True))
         return works
 
     def _exchange(self, bucket: _Bucket) -> list[Any]:
@@ -276,7 +279,7 @@ class PartitionedReducer:
                     buf = torch.empty(numel, dtype=piece.dtype, device=piece.device)
                     ops.append(dist.P2POp(dist.irecv, buf, self._peer(r), self.group))
                     bucket.received.append((piece, buf))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return self.comm.batch_isend_irecv(ops) if ops else []
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s collective, add this rank's slices into the partitions, release the buffer."""
@@ -318,7 +321,7 @@ class PartitionedReducer:
         others waiting in their next collective)."""
         count = torch.tensor([float(len(unused))], device=self.buckets[0].device if self.buckets else "cpu")
         if self.world > 1:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+            self.comm.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         if count.item() > 0:
             here = (f"{len(unused)} parameter(s) of shapes {[tuple(p.shape) for p in unused[:5]]} received no "
                     "gradient on this rank" if unused else "another rank had parameters without a gradient")

@@ -144,7 +144,7 @@ def _assemble(opt: Any, params: Sequence[torch.nn.Parameter], partition_of: Call
                 buf.narrow(0, offset + frag.tensor_offset, frag.numel).copy_(
                     part.narrow(0, frag.partition_offset, frag.numel))
         if opt.world > 1:
-            dist.all_reduce(buf, group=opt.dp_group)
+            opt.comm.all_reduce(buf, group=opt.dp_group)
     return [buf.narrow(0, offset, p.numel()).view(p.shape).to(dtype)
             for p, offset, dtype in zip(params, offsets, dtypes, strict=True)]
 

@@ -30,6 +30,7 @@ from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
 from ds_zero._registry import register
 from ds_zero._state import load_partitioned_state, partitioned_state_dict
+from ds_zero.collectives import TORCH, Collectives
 from ds_zero.estimate import (  # DeepSpeed's module path for the ZeRO-2 estimators
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
@@ -80,8 +81,9 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  names: dict[torch.nn.Parameter, str], settings: ZeroSettings, loss_scaler: Any = None,
-                 dp_group: Any = None) -> None:
+                 dp_group: Any = None, comm: Collectives = TORCH) -> None:
         self.optimizer = init_optimizer
+        self.comm = comm
         self.settings = settings
         self.loss_scaler = loss_scaler
         self.dp_group = dp_group
@@ -95,7 +97,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self.home = param_homes(self.groups)
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.reducer = PartitionedReducer(params, self.groups, self.home, self.get_grad, self.grad_dtype,
-                                          settings.reduce, dp_group, self.world, settings.stage)
+                                          settings.reduce, dp_group, self.world, settings.stage, comm)
         self._gather = gather_method(dp_group, settings.allgather_partitions) if self.world > 1 else "none"
         register(self, list(self.home))
 
@@ -172,7 +174,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         if self.world > 1:
             if dist.get_backend(self.dp_group) == "nccl" and sumsq.device.type == "cpu":
                 sumsq = sumsq.cuda()
-            dist.all_reduce(sumsq, group=self.dp_group)
+            self.comm.all_reduce(sumsq, group=self.dp_group)
         return math.sqrt(float(sumsq))
 
     def step(self) -> bool:
@@ -215,7 +217,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
     def all_gather_params(self) -> None:
         """Give every rank every partition of the updated weights (collective)."""
         for fg in self.groups:
-            gather_partitions(fg.lp_flat, fg.layout, self.rank, self.dp_group, self._gather,
+            gather_partitions(self.comm, fg.lp_flat, fg.layout, self.rank, self.dp_group, self._gather,
                               self.settings.allgather_bucket_numel)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,9 +1,10 @@
 """The collectives of ``deepspeed.comm``: torch.distributed calls plus what DeepSpeed adds to them.
 
-Added: timing and size records for the ``comms_logger`` (a profiled call is synchronised, async ones
-included, so its latency is the op's), and on failure a note naming the op, this rank and the call number
-so a timed-out or broken collective says where it happened. ``prof=True`` profiles one call even when the
-op is not in ``prof_ops``; ``log_name`` is the row it is recorded under.
+Added: timing and size records for the ``comms_logger`` (a profiled collective is synchronised, async ones
+included, so its latency is the op's; point-to-point ops are timed to their launch, as in DeepSpeed), and on
+failure a note naming the op, this rank and the call number so a timed-out or broken collective says where it
+happened. ``prof=True`` profiles one call even when the op is not in ``prof_ops``; ``log_name`` is the row it
+is recorded under.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def _describe_failure(exc: BaseException, name: str, group: Any) -> None:
         exc.add_note(note)
 
 
+# waiting on one half of an exchange before the other half is posted deadlocks: these are timed to launch only
+_POINT_TO_POINT = {"isend", "irecv", "batch_isend_irecv"}
+
+
 def _run(name: str, call: Callable[[], Any], msg_size: int, group: Any, prof: bool, log_name: str | None) -> Any:
     """Run one collective; record it when the comms logger selects it; annotate failures."""
     _state.call_counts[name] += 1
@@ -59,7 +64,7 @@ def _run(name: str, call: Callable[[], Any], msg_size: int, group: Any, prof: bo
         accelerator.synchronize()
         start = time.perf_counter()
         work = call()
-        if work is not None and hasattr(work, "wait"):
+        if work is not None and hasattr(work, "wait") and name not in _POINT_TO_POINT:
             work.wait()
         accelerator.synchronize()
         latency_ms = (time.perf_counter() - start) * 1e3
@@ -166,6 +171,13 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, prof: bool =
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, prof: bool = False,
           log_name: str = "irecv"):
     return _run("irecv", lambda: dist.irecv(tensor, src, group, tag), _nbytes(tensor), group, prof, log_name)
+
+
+def batch_isend_irecv(p2p_op_list: list[dist.P2POp], prof: bool = False, log_name: str = "batch_isend_irecv"):
+    """Point-to-point sends and receives launched together; the logged size is the bytes this rank sends."""
+    sent = sum(_nbytes(op.tensor) for op in p2p_op_list if op.op is dist.isend)
+    group = p2p_op_list[0].group if p2p_op_list else None
+    return _run("batch_isend_irecv", lambda: dist.batch_isend_irecv(p2p_op_list), sent, group, prof, log_name)
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, prof: bool = False, log_name: str = "barrier"):

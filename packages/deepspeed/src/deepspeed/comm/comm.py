@@ -23,6 +23,7 @@ from deepspeed.comm._collectives import (
     all_to_all,
     all_to_all_single,
     barrier,
+    batch_isend_irecv,
     broadcast,
     gather,
     inference_all_reduce,
@@ -56,7 +57,8 @@ comms_logger = _state.comms_logger
 
 __all__ = [
     "ReduceOp", "TORCH_DISTRIBUTED_DEFAULT_PORT", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
+    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
+    "broadcast_object_list",
     "comms_logger", "configure", "default_pg_timeout", "destroy_process_group", "gather", "gather_object",
     "get_all_ranks_from_group", "get_backend", "get_global_rank", "get_local_rank", "get_rank",
     "get_world_group", "get_world_size", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from deepspeed import comm
 from deepspeed.runtime._setup import StageInputs, _comm_dtype, _grad_accum_fp32, _loss_scaler
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
@@ -109,8 +110,9 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
     names: dict[torch.nn.Parameter, str] = {}
     for name, p in inputs.module.named_parameters():
         names.setdefault(p, name)
+    # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
     wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
-                                     loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group)
+                                     loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm)
     wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                       bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer

@@ -17,7 +17,8 @@ from deepspeed.utils.logging import log_dist
 
 _GATHER_LIKE = {"all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"}
 _ALL_REDUCE_LIKE = {"all_reduce", "all_reduce_coalesced", "inference_all_reduce"}
-_POINT_LIKE = {"send", "recv", "isend", "irecv", "broadcast", "reduce", "gather", "scatter", "barrier"}
+_POINT_LIKE = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast", "reduce", "gather", "scatter",
+               "barrier"}
 _ALL_TO_ALL = {"all_to_all_single", "all_to_all"}
 KNOWN_OPS = _GATHER_LIKE | _ALL_REDUCE_LIKE | _POINT_LIKE | _ALL_TO_ALL
 
