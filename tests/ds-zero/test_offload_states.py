@@ -180,6 +180,37 @@ def test_public_api_devices_and_errors():
     assert "expected a ZeRO stage 1/2 optimizer" in errors["type"] and "got SGD" in errors["type"]
 
 
+def _guard_body(save_dir: str) -> dict:
+    import deepspeed
+
+    engine = deepspeed.initialize(model=make_model(0), config=make_config(2))[0]
+    micro_step(engine, 0)
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.offload_states(include=["optim_states", "hp_params"])
+    x = torch.randn(2, IN)
+    errors = {}
+    for name, call in {"backward": lambda: engine.backward(engine(x).sum()), "step": engine.step,
+                       "load_checkpoint": lambda: engine.load_checkpoint(save_dir, tag="t")}.items():
+        with pytest.raises(RuntimeError) as info:
+            call()
+        errors[name] = str(info.value)
+    engine.optimizer.zero_grad()
+    engine.reload_states()
+    engine.load_checkpoint(save_dir, tag="t")
+    micro_step(engine, 1)
+    return {"errors": errors, "steps": engine.global_steps}
+
+
+def test_training_and_loading_wait_for_reload(tmp_path):
+    """A checkpoint loaded while offloaded would put new optimizer state beside the offloaded one, outside
+    what reload_states moves back: the engine refuses until reload_states, and says so."""
+    result = run_distributed(_guard_body, world_size=2, args=(str(tmp_path),), timeout=60)[0]
+    for call, message in result["errors"].items():
+        assert message.startswith(f"engine.{call}: the ZeRO states optim_states, hp_params were moved"), message
+        assert "call engine.reload_states() first" in message
+    assert result["steps"] == 2
+
+
 # ---- the real move on a GPU ---------------------------------------------------------------------------------------
 def _cuda_body(non_blocking: bool) -> dict:
     import deepspeed

@@ -13,7 +13,8 @@ buffer: that buffer moves once and every parameter (and the rank's partition vie
 - ``lp_grads``: the gradient partitions, the parameters' ``.grad`` and fp32 accumulation buffers;
 - ``contiguous_grad_buffer``: the reducer's preallocated bucket buffers.
 
-Offloading is local to each rank (no communication). Train only after ``reload_states``.
+Offloading is local to each rank (no communication). Until ``reload_states``, the engine refuses to train
+or load a checkpoint (a loaded state would land beside the offloaded ones and not be reloaded).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 from ds_config.zero import OffloadDeviceEnum, OffloadStateTypeEnum
 from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "get_state_devices", "offload_states", "reload_states"]
+__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "get_state_devices", "offload_states", "offloaded",
+           "reload_states"]
 
 _CPU = torch.device("cpu")
 
@@ -196,6 +198,11 @@ def offload_states(optimizer: Any, include: Iterable[Any] | None = None,
 def reload_states(optimizer: Any, non_blocking: bool = False) -> None:
     """Move every state moved by :func:`offload_states` back to the device it had (a no-op when none was)."""
     _reload(_zero_optimizer(optimizer, "reload_states"), _Transfer(non_blocking=bool(non_blocking)))
+
+
+def offloaded(optimizer: Any) -> list[OffloadStateTypeEnum]:
+    """The states :func:`offload_states` moved and :func:`reload_states` has not yet moved back."""
+    return [state for state, seen in _RECORDS.get(optimizer, {}).items() if seen]
 
 
 def get_state_devices(model: Any, state: Any) -> set[torch.device]:

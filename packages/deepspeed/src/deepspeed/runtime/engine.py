@@ -128,6 +128,17 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError(f"engine.{call}: this engine was built without an optimizer (evaluation only); pass "
                                "optimizer=... to deepspeed.initialize or add an 'optimizer' config section to train")
+        self._require_states_in_place(call)
+
+    def _require_states_in_place(self, call: str) -> None:
+        if self.zero_optimization_stage() == 0:
+            return
+        from ds_zero.offload_states import offloaded
+
+        moved = offloaded(self.optimizer)
+        if moved:
+            raise RuntimeError(f"engine.{call}: the ZeRO states {', '.join(s.value for s in moved)} were moved by "
+                               "offload_states(); call engine.reload_states() first")
 
     def _configure_training_state(self) -> None:
         self._sync_enabled = True
@@ -377,6 +388,8 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         """Restore a checkpoint; returns ``(path, client_state)`` (``(None, None)`` when there is none)."""
         from deepspeed.runtime import checkpointing
 
+        if self.optimizer is not None:
+            self._require_states_in_place("load_checkpoint")
         path, client_state = checkpointing.load_checkpoint(
             self, load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
