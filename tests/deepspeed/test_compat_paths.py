@@ -157,3 +157,44 @@ def test_synthesized_parents_hold_only_documented_modules(prefix, probe):
     real = SRC.joinpath(*prefix.split("."), "__init__.py")
     expected = str(real.resolve()) if real.is_file() else None  # a real package wins over a synthesized one
     assert (entry["file"] and str(Path(entry["file"]).resolve())) == expected, f"{prefix} comes from {entry['file']}"
+
+
+_ATTRIBUTE_PROBE = r'''
+import json, sys
+import deepspeed
+
+torch_free = "torch" not in sys.modules
+found = {
+    "lr_schedules": deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,  # Accelerate reads it after `import deepspeed`
+    "engine": deepspeed.runtime.engine.DeepSpeedEngine.__name__,
+    "zero": deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.__module__,  # synthesized parent
+    "ops": deepspeed.ops.adam.DeepSpeedCPUAdam.__module__,
+    "launcher": deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME,
+    "zero_to_fp32": deepspeed.utils.zero_to_fp32.__name__,
+}
+missing = {}
+for owner, name in [(deepspeed, "not_a_module"), (deepspeed.runtime, "not_a_module"), (deepspeed.ops, "nope")]:
+    try:
+        getattr(owner, name)
+    except AttributeError as exc:
+        missing[owner.__name__] = str(exc)
+print(json.dumps({"torch_free": torch_free, "found": found, "missing": missing}))
+'''
+
+
+def test_submodules_are_reachable_as_attributes(tmp_path):
+    """DeepSpeed's packages import their submodules eagerly, and Accelerate/Transformers rely on it; ours load
+    them on first attribute access, so ``import deepspeed`` stays free of torch."""
+    proc = subprocess.run([sys.executable, "-I", "-c", _ATTRIBUTE_PROBE], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["torch_free"]
+    assert result["found"] == {
+        "lr_schedules": ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"],
+        "engine": "DeepSpeedEngine", "zero": "ds_zero.stage_1_and_2", "ops": "ds_ops.adam.cpu_adam",
+        "launcher": ".deepspeed_env", "zero_to_fp32": "ds_zero.zero_to_fp32"}
+    assert result["missing"] == {
+        "deepspeed": "module 'deepspeed' has no attribute 'not_a_module'",
+        "deepspeed.runtime": "module 'deepspeed.runtime' has no attribute 'not_a_module'",
+        "deepspeed.ops": "module 'deepspeed.ops' has no attribute 'nope'"}

@@ -32,11 +32,14 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = ["__version__", *_LAZY]
 
 
+_submodule = _compat.submodule_getattr(__name__)
+
+
 def __getattr__(name: str) -> Any:
     try:
         module, attribute = _LAZY[name]
     except KeyError:
-        raise AttributeError(f"module 'deepspeed' has no attribute '{name}'") from None
+        return _submodule(name)  # deepspeed.runtime, deepspeed.ops, ... as attributes, as DeepSpeed has them
     value = importlib.import_module(module)
     if attribute is not None:
         value = getattr(value, attribute)

@@ -13,7 +13,8 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from deepspeed._compat_paths import COMPAT_PATHS
 
@@ -34,10 +35,31 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self.provider_spec
 
 
+def submodule_getattr(package: str) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` that imports ``package.<name>`` on first attribute access.
+
+    DeepSpeed's ``__init__`` files import their submodules eagerly, so callers reach them as attributes
+    without importing them (Accelerate reads ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` after a
+    bare ``import deepspeed``). Ours stay lazy, to keep ``import deepspeed`` free of torch.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{package}.{name}":  # the submodule exists but needs something missing
+                    raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 class _PrefixLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = types.ModuleType(spec.name, f"Documented DeepSpeed namespace {spec.name}.")
         module.__path__ = []
+        module.__getattr__ = submodule_getattr(spec.name)
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -3,3 +3,7 @@
 
 Nothing here imports torch: the ranks do.
 """
+
+from deepspeed._compat import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes, as in DeepSpeed

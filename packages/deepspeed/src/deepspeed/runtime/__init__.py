@@ -3,3 +3,7 @@
 Documented paths served by component packages (``deepspeed.runtime.config``, ``deepspeed.runtime.zero.config``)
 come from the import hooks in ``deepspeed._compat``; modules here are the meta-package's own.
 """
+
+from deepspeed._compat import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes, as in DeepSpeed

@@ -7,6 +7,7 @@ are imported on first use, so ``import deepspeed`` stays free of torch.
 
 from typing import Any
 
+from deepspeed._compat import submodule_getattr
 from deepspeed.utils.logging import log_dist, logger
 
 _ZERO_DEBUG = (
@@ -35,4 +36,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(ds_zero.debug, name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'deepspeed.utils' has no attribute {name!r}")
+    return _submodule(name)
+
+
+_submodule = submodule_getattr(__name__)
