@@ -8,6 +8,14 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+# torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when it is first imported, and
+# torch imports it lazily (the first torch.optim optimizer imports torch._dynamo, which imports it). Imported
+# after init_process_group, those defaults keep the default group alive past destroy_process_group: its gloo
+# threads then outlive the interpreter, and one that drops the last reference to a Python-owned tensor
+# during interpreter exit aborts the rank ("terminate called without an active exception"). Importing it
+# here binds None instead: spawned ranks import the benchmark's main module, hence this one, before the
+# rank function runs, so before any process group exists.
+import torch.distributed.nn  # noqa: F401
 import torch.multiprocessing as mp
 
 

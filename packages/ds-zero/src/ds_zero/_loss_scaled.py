@@ -38,3 +38,26 @@ class LossScaledWrapper:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scale if self.loss_scaler is not None else loss
+
+    # ---- the step's shared rules ----------------------------------------------------------------------------
+    def _skip_on_overflow(self, overflow: bool) -> bool:
+        """Record the verdict; on overflow lower the loss scale and drop the gradients (no update)."""
+        self.overflow = overflow
+        if overflow:
+            self.global_grad_norm = None
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            self.zero_grad()
+        return overflow
+
+    def _grad_coef(self, norm: float | None, clip: float) -> float:
+        """The factor that unscales the gradients and clips their global ``norm`` (unscaled) to ``clip``."""
+        coef = 1.0 / self.loss_scale
+        if clip > 0 and norm is not None and norm > clip:
+            coef *= clip / (norm + 1e-6)
+        return coef
+
+    def _stepped(self) -> bool:
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True

@@ -181,19 +181,11 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         """Unscale, skip on overflow (every rank sees the same global norm), clip, update, gather weights."""
         self._ensure_partitions()
         grads = [fg.fp32_grad() for fg in self.groups]
-        scale = self.loss_scale
-        norm = self._global_norm(grads) / scale
-        self.overflow = self.settings.check_overflow and not math.isfinite(norm)
-        if self.overflow:
-            self.global_grad_norm = None
-            if self.loss_scaler is not None:
-                self.loss_scaler.update_scale(True)
-            self.zero_grad()
+        norm = self._global_norm(grads) / self.loss_scale
+        if self._skip_on_overflow(self.settings.check_overflow and not math.isfinite(norm)):
             return False
         self.global_grad_norm = norm
-        coef = 1.0 / scale
-        if self.settings.clip > 0 and norm > self.settings.clip:
-            coef *= self.settings.clip / (norm + 1e-6)
+        coef = self._grad_coef(norm, self.settings.clip)
         for fg, g in zip(self.groups, grads, strict=True):
             if coef != 1.0:
                 g.mul_(coef)
@@ -201,9 +193,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self._update()
         for fg in self.groups:
             fg.master.grad = None
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
-        return True
+        return self._stepped()
 
     def _update(self) -> None:
         if self._cpu_adam:  # update-and-copy: the kernel writes the new low-precision weights in its pass

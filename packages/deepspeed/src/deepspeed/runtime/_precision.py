@@ -87,21 +87,13 @@ class FP32Optimizer(LossScaledWrapper):
     def step(self) -> bool:
         """Unscale, skip on overflow (agreed across ranks), clip to ``clip`` (global norm), update."""
         grads = self._hp_grads()
-        scale = self.loss_scale
         need_norm = self.check_overflow or self.clip > 0
-        norm = global_norm(grads) / scale if need_norm else None
+        norm = global_norm(grads) / self.loss_scale if need_norm else None
         overflow = self.check_overflow and _agree_on_overflow(norm is None or not math.isfinite(norm), self.dp_group)
-        self.overflow = overflow
-        if overflow:
-            self.global_grad_norm = None
-            if self.loss_scaler is not None:
-                self.loss_scaler.update_scale(True)
-            self.zero_grad()
+        if self._skip_on_overflow(overflow):
             return False
         self.global_grad_norm = norm
-        coef = 1.0 / scale
-        if self.clip > 0 and norm is not None and norm > self.clip:
-            coef *= self.clip / (norm + 1e-6)
+        coef = self._grad_coef(norm, self.clip)
         if coef != 1.0 and grads:
             dense = [g for g in grads if not g.is_sparse]
             if dense:
@@ -111,9 +103,7 @@ class FP32Optimizer(LossScaledWrapper):
                     g.mul_(coef)
         self.optimizer.step()
         self._after_update()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
-        return True
+        return self._stepped()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
