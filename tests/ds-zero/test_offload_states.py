@@ -181,12 +181,21 @@ def test_public_api_devices_and_errors():
 
 
 def _guard_body(save_dir: str) -> dict:
+    """On the CPU nothing really moves, so the states are made to look as if they came from another device
+    (the records offload_states keeps); the real move is checked in the CUDA test below."""
     import deepspeed
+    from ds_zero.offload_states import _RECORDS
 
     engine = deepspeed.initialize(model=make_model(0), config=make_config(2))[0]
     micro_step(engine, 0)
     engine.save_checkpoint(save_dir, tag="t")
     engine.offload_states(include=["optim_states", "hp_params"])
+    micro_step(engine, 1)  # offloading to where the states already are moved nothing: training goes on
+    records = _RECORDS[engine.optimizer]
+    originals = {state: dict(seen) for state, seen in records.items()}
+    for seen in records.values():
+        for key, (holder, _) in seen.items():
+            seen[key] = (holder, torch.device("meta"))
     x = torch.randn(2, IN)
     errors = {}
     for name, call in {"backward": lambda: engine.backward(engine(x).sum()), "step": engine.step,
@@ -194,21 +203,21 @@ def _guard_body(save_dir: str) -> dict:
         with pytest.raises(RuntimeError) as info:
             call()
         errors[name] = str(info.value)
-    engine.optimizer.zero_grad()
+    records.update(originals)
     engine.reload_states()
     engine.load_checkpoint(save_dir, tag="t")
-    micro_step(engine, 1)
+    micro_step(engine, 2)
     return {"errors": errors, "steps": engine.global_steps}
 
 
 def test_training_and_loading_wait_for_reload(tmp_path):
     """A checkpoint loaded while offloaded would put new optimizer state beside the offloaded one, outside
-    what reload_states moves back: the engine refuses until reload_states, and says so."""
+    what reload_states moves back: while a state is off its device the engine refuses, and says so."""
     result = run_distributed(_guard_body, world_size=2, args=(str(tmp_path),), timeout=60)[0]
     for call, message in result["errors"].items():
         assert message.startswith(f"engine.{call}: the ZeRO states optim_states, hp_params were moved"), message
         assert "call engine.reload_states() first" in message
-    assert result["steps"] == 2
+    assert result["steps"] == 2  # the checkpoint (1 step) plus one
 
 
 # ---- the real move on a GPU ---------------------------------------------------------------------------------------
@@ -234,6 +243,8 @@ def _cuda_body(non_blocking: bool) -> dict:
     assert moved.optimizer.groups[0].master.is_pinned() and weight.is_pinned()
     freed = allocated - torch.cuda.memory_allocated()
     assert torch.equal(safe_get_full_fp32_param(weight).to(cuda), master)  # readable while offloaded
+    with pytest.raises(RuntimeError, match="call engine.reload_states"):
+        moved.step()  # (a forward would already fail: the weights are on the CPU)
     moved.reload_states(non_blocking=non_blocking)
     torch.cuda.synchronize()
     assert all(get_state_devices(moved, s) == {cuda} for s in OffloadStateTypeEnum) and weight.device == cuda

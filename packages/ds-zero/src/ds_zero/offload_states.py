@@ -13,8 +13,9 @@ buffer: that buffer moves once and every parameter (and the rank's partition vie
 - ``lp_grads``: the gradient partitions, the parameters' ``.grad`` and fp32 accumulation buffers;
 - ``contiguous_grad_buffer``: the reducer's preallocated bucket buffers.
 
-Offloading is local to each rank (no communication). Until ``reload_states``, the engine refuses to train
-or load a checkpoint (a loaded state would land beside the offloaded ones and not be reloaded).
+Offloading is local to each rank (no communication). While a state is off its device, the engine refuses to
+train or load a checkpoint until ``reload_states`` (a loaded state would land beside the offloaded ones, and
+not be moved back).
 """
 
 from __future__ import annotations
@@ -201,8 +202,10 @@ def reload_states(optimizer: Any, non_blocking: bool = False) -> None:
 
 
 def offloaded(optimizer: Any) -> list[OffloadStateTypeEnum]:
-    """The states :func:`offload_states` moved and :func:`reload_states` has not yet moved back."""
-    return [state for state, seen in _RECORDS.get(optimizer, {}).items() if seen]
+    """The states :func:`offload_states` moved off their device and :func:`reload_states` has not yet moved
+    back (offloading to the device a state is already on moves nothing)."""
+    return [state for state, seen in _RECORDS.get(optimizer, {}).items()
+            if any(_device_of(holder) != device for holder, device in seen.values())]
 
 
 def get_state_devices(model: Any, state: Any) -> set[torch.device]:
