@@ -92,3 +92,33 @@ def _config_optimizer_body() -> tuple[str, str]:
 
 def test_the_config_optimizer_becomes_deepspeed_cpu_adam():
     assert run_distributed(_config_optimizer_body, world_size=1, timeout=60)[0] == ("DeepSpeedCPUAdam", "cpu")
+
+
+def _shared_groups_body(save_dir: str) -> dict:
+    """Accelerate's offload mapping: DeepSpeedCPUAdam built over a torch optimizer's param-group dicts, and the
+    user's LR schedule built on that torch optimizer."""
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    model = _model()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(torch_opt.param_groups, lr=0.1),
+                                           config=_config(2))
+
+    def step():
+        engine.backward(engine(torch.ones(2, 6)).sum())
+        engine.step()
+        schedule.step()
+
+    step()
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.load_checkpoint(save_dir, tag="t")
+    step()
+    return {"engine": engine.get_lr(), "schedule": schedule.get_last_lr(),
+            "shared": schedule.optimizer.param_groups[0] is engine.basic_optimizer.param_groups[0]}
+
+
+def test_loading_keeps_the_param_groups_a_schedule_drives(tmp_path):
+    result = run_distributed(_shared_groups_body, world_size=1, args=(str(tmp_path),), timeout=60)[0]
+    assert result == {"engine": [0.025], "schedule": [0.025], "shared": True}

@@ -74,7 +74,7 @@ def load_partitioned_state(opt: Any, states: Sequence[dict[str, Any]], same_layo
         masters, base = list(first[FP32_GROUPS]), first[BASE_STATE]
     else:
         masters, base = _repartition(opt, states)
-    opt.optimizer.load_state_dict(base)
+    _load_in_place(opt.optimizer, base)
     with torch.no_grad():
         for fg, master in zip(opt.groups, masters, strict=True):
             if opt.settings.load_from_fp32_weights:
@@ -82,6 +82,19 @@ def load_partitioned_state(opt: Any, states: Sequence[dict[str, Any]], same_layo
                 fg.copy_master_to_lp()
             else:  # the module's (already loaded) 16-bit weights are the source of truth
                 fg.sync_master_from_lp()
+
+
+def _load_in_place(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, keeping the live ``param_groups`` list and dicts (torch's load puts
+    new ones in their place). Other holders of those dicts must go on driving this optimizer: Accelerate builds
+    the offload ``DeepSpeedCPUAdam`` over the client torch optimizer's groups, and the client's LR schedule,
+    built on that torch optimizer, writes the lr into them."""
+    live = optimizer.param_groups
+    kept = list(live)
+    optimizer.load_state_dict(state)
+    for old, new in zip(kept, optimizer.param_groups, strict=True):
+        old.update(new)  # the same "params"; the saved lr, betas, ... and any extra keys
+    optimizer.param_groups = live
 
 
 def same_names(state: dict[str, Any], opt: Any) -> bool:
