@@ -421,3 +421,45 @@ def test_client_optimizer_and_scheduler_win_over_config_sections():
     assert schedule == "StepLR"
     assert "'optimizer' section (SGD) is ignored" in warned
     assert "'scheduler' section (WarmupLR) is ignored" in warned
+
+
+def _wrapped_twice_body(stage: int) -> dict:
+    """A second engine over the same model object (a second Trainer, ``prepare`` again) must train it exactly as
+    an engine over a fresh copy does; the first engine's hooks would otherwise keep reducing its gradients."""
+    import copy
+
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}}
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    data = [(torch.randn(2, IN, generator=gen), torch.randn(2, 1, generator=gen)) for _ in range(4)]
+
+    def train(engine, batches):
+        for x, y in batches:
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+    model = _model()
+    first, _, _, _ = deepspeed.initialize(model=model, config=config)
+    train(first, data[:2])
+    fresh = copy.deepcopy(model)  # the same weights, no hooks
+    second, _, _, _ = deepspeed.initialize(model=model, config=config)
+    train(second, data[2:])
+    reference, _, _, _ = deepspeed.initialize(model=fresh, config=config)
+    train(reference, data[2:])
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    with pytest.raises(RuntimeError) as info:
+        first.backward(first(data[0][0]).sum())
+    evaluation, _, _, _ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2})
+    train(second, data[:1])  # an evaluation engine over the model does not take it from the trainer
+    return {"same": same, "error": str(info.value), "second_steps": second.global_steps}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_wrapping_a_model_again_releases_the_first_engine(stage):
+    for result in run_distributed(_wrapped_twice_body, world_size=2, args=(stage,), timeout=60):
+        assert result["same"], "the second engine trained differently from one over a fresh copy"
+        assert result["error"] == ("engine.backward: this engine can no longer train: its model was wrapped by a "
+                                   "newer DeepSpeedEngine")
+        assert result["second_steps"] == 3

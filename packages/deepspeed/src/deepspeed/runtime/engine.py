@@ -10,9 +10,11 @@ checkpoints in ``deepspeed.runtime.checkpointing``. The hooks also serve a direc
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +32,9 @@ from deepspeed.utils import log_dist
 from ds_config import ConfigError, ConfigProblem
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# model -> the training engine whose gradient hooks are on its parameters (weak: keeps neither alive)
+_TRAINER_OF: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
@@ -52,6 +57,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         _setup.broadcast_module(self.module, self.dp_group)
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
+        self._released: str | None = None  # why this engine may no longer train (see _release)
         self._configure_optimizer(optimizer, model_parameters, lr_scheduler)
         self._configure_training_state()
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -110,7 +116,20 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
+        self._take_over_module()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _take_over_module(self) -> None:
+        """A model wrapped again (a second Trainer on the same model object) still carries the first engine's
+        gradient hooks, which would go on reducing every gradient into that engine's buffers: release them."""
+        ref = _TRAINER_OF.get(self.module)
+        previous = ref() if ref is not None else None
+        if previous is not None and previous._hook_handles:
+            log_dist("deepspeed.initialize: this model was already wrapped by another DeepSpeedEngine; that engine "
+                     "is released (its gradient hooks removed) and can no longer train", ranks=[0],
+                     level=logging.WARNING)
+            previous._release("its model was wrapped by a newer DeepSpeedEngine")
+        _TRAINER_OF[self.module] = weakref.ref(self)
 
     def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
         """No client optimizer and no ``optimizer`` section: an evaluation/inference engine (as in DeepSpeed,
@@ -128,6 +147,8 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError(f"engine.{call}: this engine was built without an optimizer (evaluation only); pass "
                                "optimizer=... to deepspeed.initialize or add an 'optimizer' config section to train")
+        if self._released is not None:
+            raise RuntimeError(f"engine.{call}: this engine can no longer train: {self._released}")
         self._require_states_in_place(call)
 
     def _require_states_in_place(self, call: str) -> None:
@@ -445,9 +466,13 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
 
     def destroy(self) -> None:
         """Remove the gradient hooks and close the monitors (the engine must not be used afterwards)."""
+        self._release("destroy() was called")
+
+    def _release(self, why: str) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._released = why
         if self.monitor is not None:
             self.monitor.close()
 
