@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(format_summary(record, header, engine.train_batch_size(), memory_kind), flush=True)
     dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any group: see deepspeed/comm/comm.py)
 
 from _harness import _pickling
 

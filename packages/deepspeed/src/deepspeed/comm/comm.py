@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any process group exists: see the note below the imports
 from torch.distributed import ReduceOp, all_gather_object, broadcast_object_list, gather_object
 
 from deepspeed.comm import _state
@@ -41,6 +42,11 @@ from deepspeed.comm._env import LaunchEnv, discover_launch_env
 from deepspeed.utils.logging import logger
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+# torch.distributed.nn is imported above, before any process group exists. Its functions bind
+# group.WORLD as default arguments when the module is first imported, and torch imports it lazily with the first
+# optimizer; bound to a live group, they keep it alive past destroy_process_group, and its gloo threads then
+# outlive the interpreter and can abort the process at exit ("terminate called without an active exception").
 
 
 def _timeout_from_env() -> timedelta:
