@@ -198,3 +198,13 @@ def test_submodules_are_reachable_as_attributes(tmp_path):
         "deepspeed": "module 'deepspeed' has no attribute 'not_a_module'",
         "deepspeed.runtime": "module 'deepspeed.runtime' has no attribute 'not_a_module'",
         "deepspeed.ops": "module 'deepspeed.ops' has no attribute 'nope'"}
+
+
+def test_submodule_attributes_are_direct_children_only():
+    """A module ``__getattr__`` serves child names only, and says AttributeError for anything else."""
+    import deepspeed
+    import deepspeed.runtime
+
+    for module, name in [(deepspeed, "no_such.thing"), (deepspeed, ".x"), (deepspeed.runtime, "no_such.thing")]:
+        assert not hasattr(module, name)
+    assert not hasattr(deepspeed, "runtime.engine")  # not an attribute name

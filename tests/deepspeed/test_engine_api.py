@@ -463,3 +463,55 @@ def test_wrapping_a_model_again_releases_the_first_engine(stage):
         assert result["error"] == ("engine.backward: this engine can no longer train: its model was wrapped by a "
                                    "newer DeepSpeedEngine")
         assert result["second_steps"] == 3
+
+
+_TAKE_OVER_CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+                     "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}}
+
+
+def _train_steps(engine, seed: int, steps: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed * 10 + dist.get_rank())
+    for _ in range(steps):
+        x, y = torch.randn(2, IN, generator=gen), torch.randn(2, 1, generator=gen)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
+def _disjoint_body() -> dict:
+    import deepspeed
+
+    config = {**_TAKE_OVER_CONFIG, "zero_optimization": {"stage": 2}}
+    model = _model()
+    first = deepspeed.initialize(model=model, model_parameters=model[0].parameters(), config=config)[0]
+    second = deepspeed.initialize(model=model, model_parameters=model[2].parameters(), config=config)[0]
+    before = model[0].weight.detach().clone()
+    _train_steps(first, 0)
+    _train_steps(second, 1)
+    return {"first_moved": not torch.equal(before, model[0].weight.detach())}
+
+
+def test_engines_over_disjoint_parameters_both_train():
+    for result in run_distributed(_disjoint_body, world_size=2, timeout=60):
+        assert result["first_moved"]
+
+
+def _stale_owner_body() -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    model = _model()
+    first = deepspeed.initialize(model=model, config={**_TAKE_OVER_CONFIG, "zero_optimization": {"stage": 2}})[0]
+    _train_steps(first, 0)
+    second = deepspeed.initialize(model=model, config={**_TAKE_OVER_CONFIG, "zero_optimization": {"stage": 0}})[0]
+    _train_steps(second, 1, steps=2)
+    weight = model[0].weight
+    got = safe_get_full_fp32_param(weight)  # stage 0 fp32: None (no master) or the weight itself
+    ok = got is None or torch.equal(got, weight.detach())
+    del first
+    return {"ok": ok}
+
+
+def test_released_engine_gives_up_parameter_ownership():
+    """The safe_* APIs must not read a released engine's stale masters."""
+    for result in run_distributed(_stale_owner_body, world_size=2, timeout=60):
+        assert result["ok"]

@@ -44,7 +44,7 @@ def submodule_getattr(package: str) -> Callable[[str], Any]:
     """
 
     def __getattr__(name: str) -> Any:
-        if not name.startswith("__"):
+        if name.isidentifier() and not name.startswith("__"):  # a child's name, never a dotted path
             try:
                 return importlib.import_module(f"{package}.{name}")
             except ModuleNotFoundError as exc:

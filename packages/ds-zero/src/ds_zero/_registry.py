@@ -41,3 +41,16 @@ def owner_of(param: torch.nn.Parameter) -> Any | None:
     """The live ZeRO optimizer that partitions ``param``, or None."""
     ref = _OWNERS.get(param)
     return ref() if ref is not None else None
+
+
+def release(optimizer: Any, params: Any) -> None:
+    """Forget ``optimizer`` (a ZeRO or stage-0 wrapper) as the owner of ``params``: its engine was released, and
+    the ``safe_*`` APIs must not read its stale partitions or masters. A newer owner's entries are kept."""
+    inner = getattr(optimizer, "optimizer", None)
+    for p in params:
+        ref = _OWNERS.get(p)
+        if ref is not None and ref() is optimizer:
+            del _OWNERS[p]
+        entry = _MASTERS.get(p)
+        if entry is not None and inner is not None and entry[0]() is inner:
+            del _MASTERS[p]

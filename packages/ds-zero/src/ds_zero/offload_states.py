@@ -204,6 +204,8 @@ def reload_states(optimizer: Any, non_blocking: bool = False) -> None:
 def offloaded(optimizer: Any) -> list[OffloadStateTypeEnum]:
     """The states :func:`offload_states` moved off their device and :func:`reload_states` has not yet moved
     back (offloading to the device a state is already on moves nothing)."""
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):  # e.g. a stage registered by a plug-in: never offloaded
+        return []
     return [state for state, seen in _RECORDS.get(optimizer, {}).items()
             if any(_device_of(holder) != device for holder, device in seen.values())]
 

@@ -33,8 +33,8 @@ from ds_config import ConfigError, ConfigProblem
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-# model -> the training engine whose gradient hooks are on its parameters (weak: keeps neither alive)
-_TRAINER_OF: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+# model -> the training engines whose gradient hooks are on its parameters (weak: keeps neither alive)
+_TRAINERS_OF: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
@@ -111,25 +111,33 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith("cpu")
         self.basic_optimizer = build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
         check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
+        trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
                                     self.dp_world_size)
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
-        self._take_over_module()
+        self._take_over_module(trained)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _take_over_module(self) -> None:
+    def _take_over_module(self, trained: set[int]) -> None:
         """A model wrapped again (a second Trainer on the same model object) still carries the first engine's
-        gradient hooks, which would go on reducing every gradient into that engine's buffers: release them."""
-        ref = _TRAINER_OF.get(self.module)
-        previous = ref() if ref is not None else None
-        if previous is not None and previous._hook_handles:
-            log_dist("deepspeed.initialize: this model was already wrapped by another DeepSpeedEngine; that engine "
-                     "is released (its gradient hooks removed) and can no longer train", ranks=[0],
-                     level=logging.WARNING)
-            previous._release("its model was wrapped by a newer DeepSpeedEngine")
-        _TRAINER_OF[self.module] = weakref.ref(self)
+        gradient hooks, which would go on reducing every gradient into that engine's buffers: release the engines
+        that train any of the same parameters (engines over disjoint parameters, one per optimizer, both train)."""
+        self._trained_ids = trained
+        kept = []
+        for ref in _TRAINERS_OF.get(self.module, []):
+            previous = ref()
+            if previous is None or not previous._hook_handles:
+                continue
+            if previous._trained_ids & trained:
+                log_dist("deepspeed.initialize: this model was already wrapped by another DeepSpeedEngine; that "
+                         "engine is released (its gradient hooks removed) and can no longer train", ranks=[0],
+                         level=logging.WARNING)
+                previous._release("its model was wrapped by a newer DeepSpeedEngine")
+            else:
+                kept.append(ref)
+        _TRAINERS_OF[self.module] = [*kept, weakref.ref(self)]
 
     def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
         """No client optimizer and no ``optimizer`` section: an evaluation/inference engine (as in DeepSpeed,
@@ -473,6 +481,10 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
             handle.remove()
         self._hook_handles = []
         self._released = why
+        if self.optimizer is not None:
+            from ds_zero._registry import release
+
+            release(self.optimizer, self.module.parameters())
         if self.monitor is not None:
             self.monitor.close()
 
