@@ -380,3 +380,74 @@ def test_logger_helpers(tmp_path, monkeypatch):
     formatter = logger.handlers[0].formatter
     record = logging.LogRecord("DeepSpeed", logging.INFO, "/x/engine.py", 12, "hello", None, None, func="step")
     assert formatter.format(record).endswith("] [INFO] [engine.py:12:step] hello")
+
+
+_GROUP_LIFETIME = r'''
+import gc, os, socket, sys
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+import torch
+import torch.distributed as dist
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+dist.init_process_group("gloo")  # made before deepspeed is imported, as Accelerate's PartialState does
+torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # torch imports torch.distributed.nn here
+if sys.argv[1] == "deepspeed":
+    import deepspeed.comm  # noqa: F401
+during = threads()
+dist.destroy_process_group()
+gc.collect()
+print(before, during, threads())
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
+def test_destroyed_group_releases_its_threads():
+    """torch.distributed.nn's default arguments pin the group that existed when torch imported it; its gloo
+    threads then outlive destroy_process_group, and one freeing a tensor at interpreter exit aborted ranks
+    ("terminate called without an active exception"). Importing deepspeed.comm unpins it."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _GROUP_LIFETIME, mode], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [int(v) for v in out.stdout.split()]
+
+    before, during, after = run("torch")
+    assert during > before and after == during  # the torch-only process shows the leak this guards against
+    before, during, after = run("deepspeed")
+    assert during > before and after == before
+
+
+_EXIT_WITHOUT_DESTROY = r'''
+import atexit, os, socket
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch.distributed as dist
+import deepspeed.comm
+
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after later handlers
+deepspeed.comm.init_distributed(dist_backend="gloo", verbose=False)
+deepspeed.comm.barrier()
+print("trained")
+'''
+
+
+def test_a_group_made_by_init_distributed_is_destroyed_at_exit():
+    """Scripts (and the Trainer) rarely destroy their group; a gloo thread still running while the interpreter
+    finalises can abort the process, so the group deepspeed.comm made is destroyed by an exit handler."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_DESTROY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:] == ["trained", "initialized at exit: False", ""], out.stdout

@@ -7,13 +7,14 @@ every collective of the group then carries (``DEEPSPEED_TIMEOUT`` minutes, 30 by
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any process group exists: see the note below the imports
+import torch.distributed.nn.functional
 from torch.distributed import ReduceOp, all_gather_object, broadcast_object_list, gather_object
 
 from deepspeed.comm import _state
@@ -43,10 +44,23 @@ from deepspeed.utils.logging import logger
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-# torch.distributed.nn is imported above, before any process group exists. Its functions bind
-# group.WORLD as default arguments when the module is first imported, and torch imports it lazily with the first
-# optimizer; bound to a live group, they keep it alive past destroy_process_group, and its gloo threads then
-# outlive the interpreter and can abort the process at exit ("terminate called without an active exception").
+
+
+def _unpin_world_group() -> None:
+    """``torch.distributed.nn.functional``'s collectives take ``group=group.WORLD`` as a default argument,
+    evaluated when torch first imports the module (lazily, with the first optimizer). Imported while a process
+    group exists, those defaults keep the group alive past ``destroy_process_group``: its gloo threads then
+    outlive the interpreter and can abort the process at exit ("terminate called without an active
+    exception"). ``None`` means the same default group and pins nothing. Imported here (above) it binds
+    ``None`` when no group exists yet; this also covers a group made first (``PartialState``, a user's own
+    ``init_process_group``)."""
+    for fn in vars(torch.distributed.nn.functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
+_unpin_world_group()
 
 
 def _timeout_from_env() -> timedelta:
@@ -163,6 +177,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         torch.cuda.set_device(place.local_rank)
     dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout, rank=place.rank,
                             world_size=place.world_size)
+    if backend == "gloo":
+        atexit.register(_destroy_at_exit)  # once per group made here; a no-op when the caller destroyed it
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the gloo group this module made before the interpreter winds down, so its threads are joined
+    while Python still runs: one still running during finalisation can abort the process at exit (training
+    scripts and the Trainer rarely destroy their group)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _default_backend() -> str:
