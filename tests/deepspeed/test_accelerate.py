@@ -60,6 +60,16 @@ PREAMBLE = textwrap.dedent("""
             losses.append(acc.gather(loss.detach().reshape(1)).tolist())
         return losses, norms
 
+    def resume_round_trip(acc, model, opt, sched, dl, path):
+        # save, train 4 batches, load, train them again: (same losses, same weights)
+        acc.save_state(path)
+        after, _ = train(acc, model, opt, sched, dl, 4)
+        w_after = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        acc.load_state(path)
+        again, _ = train(acc, model, opt, sched, dl, 4)
+        w_again = acc.get_state_dict(model)
+        return after == again, all(torch.equal(w_after[k], w_again[k]) for k in w_after)
+
     def report(acc, **values):
         if acc.is_main_process:
             print("RESULT " + json.dumps(values), flush=True)
@@ -91,19 +101,13 @@ CLIENT = PREAMBLE + textwrap.dedent("""
     max_diff = max((weights[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
     out = setup["out"]
-    acc.save_state(os.path.join(out, "state"))
-    after, _ = train(acc, model, opt, None, dl, 4)
-    w_after = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
-    acc.load_state(os.path.join(out, "state"))
-    again, _ = train(acc, model, opt, None, dl, 4)
-    w_again = acc.get_state_dict(model)
+    losses_equal, weights_equal = resume_round_trip(acc, model, opt, None, dl, os.path.join(out, "state"))
     acc.wait_for_everyone()
     acc.save_model(model, os.path.join(out, "model"))
     report(acc, engine=type(model).__name__, zero_stage=model.zero_optimization_stage(), steps=model.global_steps,
            optimizer=type(opt).__name__, unwrapped=type(acc.unwrap_model(model)).__name__,
            processes=acc.num_processes, distributed=str(acc.distributed_type), max_diff=max_diff, norms=norms,
-           ref_norms=ref_norms, resumed_losses_equal=after == again,
-           resumed_weights_equal=all(torch.equal(w_after[k], w_again[k]) for k in w_after),
+           ref_norms=ref_norms, resumed_losses_equal=losses_equal, resumed_weights_equal=weights_equal,
            state_files=sorted(os.listdir(os.path.join(out, "state"))),
            gathered=acc.gather(torch.tensor([acc.process_index])).tolist())
 """)
@@ -126,17 +130,11 @@ DUMMY = PREAMBLE + textwrap.dedent("""
             lrs.append(model.get_lr()[0])
         if i == 5:
             break
-    out = setup["out"]
-    acc.save_state(os.path.join(out, "state"))
-    after, _ = train(acc, model, opt, sched, dl, 4)
-    w_after = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
-    acc.load_state(os.path.join(out, "state"))
-    again, _ = train(acc, model, opt, sched, dl, 4)
-    w_again = acc.get_state_dict(model)
+    losses_equal, weights_equal = resume_round_trip(acc, model, opt, sched, dl, os.path.join(setup["out"], "state"))
     report(acc, zero_stage=model.zero_optimization_stage(), basic=type(model.basic_optimizer).__name__,
            schedule=type(model.lr_scheduler).__name__, wrapper=type(sched).__name__, lrs=lrs,
-           gas=model.gradient_accumulation_steps(), resumed_losses_equal=after == again,
-           resumed_weights_equal=all(torch.equal(w_after[k], w_again[k]) for k in w_after))
+           gas=model.gradient_accumulation_steps(), resumed_losses_equal=losses_equal,
+           resumed_weights_equal=weights_equal)
 """)
 
 OFFLOAD_SCHEDULE = PREAMBLE + textwrap.dedent("""
