@@ -126,7 +126,8 @@ def _remap(fg: Any, full: torch.Tensor, old: FlatLayout, old_names: list[str], g
     """This rank's new partition, cut from the old full flat vector ``full`` by parameter name."""
     where = {name: (old.offsets[i], old.numels[i]) for i, name in enumerate(old_names)}
     missing = [n for n in fg.names if n not in where]
-    extra = [n for n in old_names if n not in set(fg.names)]
+    current = set(fg.names)
+    extra = [n for n in old_names if n not in current]
     if missing or extra:
         raise ValueError(f"ZeRO optimizer state, group {g}: parameters {missing[:5]} are not in the checkpoint and "
                          f"{extra[:5]} of the checkpoint are not in the model")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ds_zero._state import same_names
+from ds_zero.partition import nccl_alignment
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 
@@ -154,7 +155,7 @@ class ZeroCheckpointShards:
             raise ValueError(f"{name} has no 'param_shapes', so the ZeRO partitions of {ctx.tag_dir} cannot be cut "
                              f"for {ctx.parallel.dp_world_size} ranks; load it on {saved_world}")
         return [{"names": list(group), "numels": [int(torch.Size(s).numel()) for s in group.values()],
-                 "alignment": 2 * saved_world} for group in shapes]
+                 "alignment": nccl_alignment(saved_world)} for group in shapes]
 
 
 def _optimizer_state(obj: Any, name: str) -> dict[str, Any]:
