@@ -1,6 +1,8 @@
 """File-format compatibility with the real DeepSpeed 0.19.8: ZeRO stage 1/2 checkpoints it wrote (fixtures under
 ``fixtures/deepspeed_0_19_8/``, made by ``make_fixtures.py`` there) read by our ``zero_to_fp32`` and our engine,
-and a checkpoint our engine wrote read by the real ``zero_to_fp32`` (only where ``/tmp/realds/venv`` exists).
+a checkpoint our engine wrote read by the real ``zero_to_fp32`` (only where ``/tmp/realds/venv`` exists), and
+ZeRO stage 3 checkpoints it wrote read by our ``zero_to_fp32``, with their exact file layout pinned down (the
+spec for a stage-3 writer that real DeepSpeed can read).
 
 Runs without DeepSpeed installed. Model, config and batches come from ``make_fixtures.py``, so our engine sees
 exactly what DeepSpeed saw; ``expected.pt`` holds what DeepSpeed reported (module, fp32 masters from its own
@@ -25,6 +27,7 @@ from _harness import run_distributed
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed_0_19_8")
 REAL_PY = "/tmp/realds/venv/bin/python"
 CASES = ["stage1_fp32", "stage2_fp32", "stage1_bf16", "stage2_bf16"]
+STAGE3_CASES = ["stage3_fp32", "stage3_bf16"]  # read by zero_to_fp32 only (our engine's stage-3 load: not here)
 
 
 def _fixture_module():
@@ -58,16 +61,172 @@ def assert_close(got: dict, want: dict, rtol: float, what: str) -> None:
 
 
 # ---- DeepSpeed's files through our zero_to_fp32 ----------------------------------------------------------------
-@pytest.mark.parametrize("case", CASES)
+def _assert_matches_real_zero_to_fp32(got: dict, case: str) -> None:
+    """``got`` holds what DeepSpeed's own zero_to_fp32 reported: same names, same values, all fp32 (DeepSpeed
+    returns stage 2/3 frozen params in the model dtype, bf16 here; ours converts them, losslessly)."""
+    want = expected(case)["zero_to_fp32"]
+    assert sorted(got) == sorted(want)  # trainable, frozen and the tied alias
+    for name, value in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], value.float()), name
+        assert not got[name].requires_grad, name  # DeepSpeed saves its fp32 partitions with requires_grad=True
+
+
+@pytest.mark.parametrize("case", CASES + STAGE3_CASES)
 def test_our_zero_to_fp32_reads_real_deepspeed_checkpoint(case):
     from ds_zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    want = expected(case)["zero_to_fp32"]
     got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case))
     got = {name: value.contiguous() if hasattr(value, "contiguous") else value for name, value in got.items()}
-    assert sorted(got) == sorted(want)  # trainable, frozen and the tied alias
+    _assert_matches_real_zero_to_fp32(got, case)
+    assert got["back.weight"] is got["mid.weight"]  # the tied alias is the same tensor, as in the model
+
+
+@pytest.mark.parametrize("case", CASES + STAGE3_CASES)
+def test_our_zero_to_fp32_script_reads_real_deepspeed_checkpoint(case, tmp_path):
+    from ds_zero.zero_to_fp32 import main
+
+    assert main([os.path.join(FIXTURES, case), str(tmp_path), "-t", mf.TAG]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]
+    got = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    _assert_matches_real_zero_to_fp32(got, case)
+    assert got["back.weight"].data_ptr() == got["mid.weight"].data_ptr()  # saved once, shared
+
+
+@pytest.mark.parametrize("case", STAGE3_CASES)
+def test_our_zero_to_fp32_stage3_lazy_and_without_frozen(case):
+    from ds_zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    want = expected(case)["zero_to_fp32"]
+    lazy = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case), tag=mf.TAG, lazy_mode=True)
     for name, value in want.items():
-        assert got[name].dtype == torch.float32 and torch.equal(got[name], value), name
+        assert lazy[name].shape == value.shape and torch.equal(lazy[name].contiguous(), value.float()), name
+    trainable = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case), exclude_frozen_parameters=True)
+    assert sorted(trainable) == sorted(name for name in want if not name.startswith("frozen."))
+
+
+# ---- the stage-3 file layout DeepSpeed 0.19.8 writes (see the fixtures' README) ---------------------------------
+_Z3_MODEL_KEYS = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                  "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+                  "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                  "checkpoint_parallel_dimensions", "ds_config", "ds_version"]
+_Z3_OPTIM_KEYS = ["zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count",
+                  "optimizer_state_dict", "fp32_flat_groups"]
+_TRAINABLE = {"inp.weight": (12, 6), "inp.bias": (12,), "mid.weight": (12, 12), "mid.bias": (12,),
+              "head.weight": (3, 12), "head.bias": (3,)}  # param_shapes order; the tied back.weight is not listed
+_FROZEN = {"frozen.weight": (12, 12), "frozen.bias": (12,)}
+
+
+def _stage3_files(case: str) -> tuple[list[dict], list[dict]]:
+    """(model-states dict, optimizer-states dict) of each rank, DeepSpeed's classes read as inert placeholders."""
+    from ds_zero.zero_to_fp32 import _load
+
+    tag_dir = os.path.join(FIXTURES, case, mf.TAG)
+    prefix = "bf16_" if "bf16" in case else ""
+    models = [_load(os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")) for r in range(mf.WORLD)]
+    optims = [_load(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+              for r in range(mf.WORLD)]
+    return models, optims
+
+
+def _unpartition(slices: list[torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
+    """Stage-3 flat layout: each param takes ceil(numel / world) elements of every rank's flat tensor, at the same
+    offset on every rank, params back to back in ``shapes`` order; rank r holds elements [r*part, (r+1)*part) of
+    the flattened param, the tail past numel (on the last ranks) is padding."""
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        numel = torch.Size(shape).numel()
+        part = -(-numel // len(slices))
+        out[name] = torch.cat([flat[offset:offset + part] for flat in slices])[:numel].view(shape)
+        offset += part
+    assert all(flat.numel() == offset for flat in slices), "trailing elements after the last param"
+    return out
+
+
+@pytest.mark.parametrize("case", STAGE3_CASES)
+def test_real_deepspeed_stage3_file_layout(case):
+    """What DeepSpeed 0.19.8 writes at stage 3 (2 ranks): per-rank model-states files holding no weights, per-rank
+    optimizer files holding the fp32 partition, the moments in the same flat layout, frozen params as fragments."""
+    want = expected(case)
+    model_dtype = torch.bfloat16 if "bf16" in case else torch.float32
+    prefix = "bf16_" if "bf16" in case else ""
+    tag_dir = os.path.join(FIXTURES, case, mf.TAG)
+    assert sorted(os.listdir(tag_dir)) == sorted(
+        [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(mf.WORLD)]
+        + [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(mf.WORLD)])
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint
+    for r in range(mf.WORLD):  # the model files load with weights_only=True; the optimizer files need two classes
+        assert unsafe(os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")) == []
+        assert sorted(unsafe(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))) == [
+            "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum"]
+    models, optims = _stage3_files(case)
+    for r, (model, optim) in enumerate(zip(models, optims, strict=True)):
+        assert list(model) == _Z3_MODEL_KEYS
+        # module: every entry of state_dict() (tied alias included), each an EMPTY tensor of the model dtype
+        assert list(model["module"]) == list(want["module"])
+        assert all(t.shape == (0,) and t.dtype == model_dtype for t in model["module"].values())
+        assert model["buffer_names"] == [] and model["optimizer"] is None
+        assert [{k: tuple(v) for k, v in g.items()} for g in model["param_shapes"]] == [_TRAINABLE]
+        assert all(isinstance(v, torch.Size) for v in model["param_shapes"][0].values())
+        assert {k: tuple(v) for k, v in model["frozen_param_shapes"].items()} == _FROZEN
+        # this rank's partition of each frozen param (ceil(numel / world) elements, model dtype)
+        assert {k: (tuple(v.shape), v.dtype) for k, v in model["frozen_param_fragments"].items()} == {
+            "frozen.weight": ((72,), model_dtype), "frozen.bias": ((6,), model_dtype)}
+        # the tied alias -> its source, found on rank 0 only (DeepSpeed's _get_shared_params); zero_to_fp32 reads
+        # rank 0's file
+        assert model["shared_params"] == ({"back.weight": "mid.weight"} if r == 0 else {})
+        assert model["lr_scheduler"] == {"last_batch_iteration": mf.STEPS - 1}
+        assert (model["data_sampler"], model["random_ltd"], model["skipped_steps"]) == (None, None, 0)
+        assert (model["global_steps"], model["global_samples"]) == (want["global_steps"], want["global_samples"])
+        assert (model["dp_world_size"], model["mp_world_size"]) == (mf.WORLD, 1)
+        assert model["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 1}
+        assert model["ds_config"]["zero_optimization"]["stage"] == 3 and model["ds_version"] == "0.19.8"
+
+        assert list(optim) == ["optimizer_state_dict", "ds_config", "ds_version"]
+        sd = optim["optimizer_state_dict"]
+        assert list(sd) == _Z3_OPTIM_KEYS
+        assert int(sd["zero_stage"]) == 3  # ZeroStageEnum.weights
+        assert sd["loss_scaler"].state == {"cur_scale": 1.0, "dynamic": False}  # a LossScaler, also for fp32/bf16
+        assert (sd["dynamic_loss_scale"], sd["overflow"], sd["partition_count"]) == (False, False, mf.WORLD)
+        # one fp32 tensor per sub-group (one here), 140 = sum of ceil(numel / 2): 36+6+72+6+18+2
+        assert [(tuple(t.shape), t.dtype) for t in sd["fp32_flat_groups"]] == [((140,), torch.float32)]
+        inner = sd["optimizer_state_dict"]  # the torch AdamW state_dict over the flat fp32 partitions
+        assert list(inner) == ["state", "param_groups"] and list(inner["state"]) == [0]
+        state = inner["state"][0]
+        assert list(state) == ["step", "exp_avg", "exp_avg_sq"]
+        assert state["step"].shape == () and float(state["step"]) == mf.STEPS
+        assert all(state[k].shape == (140,) and state[k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq"))
+        (group,) = inner["param_groups"]
+        assert group["params"] == [0] and group["lr"] == want["lr"][0]
+        assert {k: group[k] for k in ("betas", "eps", "weight_decay")} == {"betas": (0.9, 0.999), "eps": 1e-8,
+                                                                           "weight_decay": 0.01}
+    # the flat layout reproduces DeepSpeed's fp32 masters and its full Adam moments, per parameter, exactly
+    fp32 = _unpartition([o["optimizer_state_dict"]["fp32_flat_groups"][0] for o in optims], _TRAINABLE)
+    for name in _TRAINABLE:
+        assert torch.equal(fp32[name], want["zero_to_fp32"][name]), name
+        assert torch.equal(fp32[name].to(model_dtype), want["module"][name]), name  # the module is the cast master
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = _unpartition([o["optimizer_state_dict"]["optimizer_state_dict"]["state"][0][key] for o in optims],
+                               _TRAINABLE)
+        for name in _TRAINABLE:
+            assert torch.equal(moments[name], want[key][name]), (key, name)
+        padding = optims[-1]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0][key][-1]
+        assert float(padding) == 0.0  # head.bias: 3 values on 2 ranks, rank 1's second slot (fp32 there: garbage)
+    frozen = _unpartition([torch.cat(list(m["frozen_param_fragments"].values())) for m in models], _FROZEN)
+    for name in _FROZEN:
+        assert torch.equal(frozen[name], want["module"][name]), name
+
+
+@pytest.mark.parametrize("case", STAGE3_CASES)
+def test_real_deepspeed_stage3_fixture_is_consistent(case):
+    """DeepSpeed's own gathered 16-bit state_dict is the module, tied alias included (as a separate entry)."""
+    want = expected(case)
+    assert (want["stage"], want["ds_version"], want["adam_step"]) == (3, "0.19.8", [float(mf.STEPS)])
+    assert list(want["consolidated_16bit"]) == list(want["module"])
+    for name, value in want["module"].items():
+        assert torch.equal(want["consolidated_16bit"][name], value), name
+    assert torch.equal(want["module"]["back.weight"], want["module"]["mid.weight"])
+    stage2 = expected(case.replace("stage3", "stage2"))  # the same training; bf16 here bit-identical to stage 2
+    assert_close(want["zero_to_fp32"], stage2["zero_to_fp32"], rtol_for(case), "stage 3 vs stage 2 masters")
 
 
 # ---- DeepSpeed's files through our engine's load_checkpoint ----------------------------------------------------
@@ -381,17 +540,20 @@ def test_our_optimizer_files_carry_what_real_deepspeed_load_needs(ours):
 def test_fixtures_are_small_and_complete():
     """The committed fixtures keep DeepSpeed's layout (latest, tag dir, every rank's file) and stay small."""
     total = 0
-    for case in CASES:
+    for case in CASES + STAGE3_CASES:
         root = os.path.join(FIXTURES, case)
+        assert sorted(os.listdir(root)) == ["expected.pt", mf.TAG, "latest"]  # the copied scripts removed
         with open(os.path.join(root, "latest")) as handle:
             assert handle.read().strip() == mf.TAG
         prefix = "bf16_" if "bf16" in case else ""
+        model = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(mf.WORLD)] if case in STAGE3_CASES
+                 else ["mp_rank_00_model_states.pt"])
         names = sorted(os.listdir(os.path.join(root, mf.TAG)))
-        assert names == sorted(["mp_rank_00_model_states.pt"] + [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-                                                                 for r in range(mf.WORLD)])
+        optim = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(mf.WORLD)]
+        assert names == sorted(model + optim)
     for folder, _, files in os.walk(FIXTURES):
         total += sum(os.path.getsize(os.path.join(folder, f)) for f in files if "__pycache__" not in folder)
-    assert total < 200_000, f"fixtures hold {total} bytes"
+    assert total < 300_000, f"fixtures hold {total} bytes"
 
 
 if __name__ == "__main__":  # pragma: no cover - for by-hand runs

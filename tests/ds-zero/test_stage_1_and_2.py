@@ -147,7 +147,7 @@ def engine_run(config: dict, run: dict) -> dict:
         out["skipped"].append(engine.skipped_steps)
         after = list(engine.module.parameters())
         out["changed"].append(any(not torch.equal(b, p) for b, p in zip(before, after, strict=True)))
-    out["state"] = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    out["state"] = whole_state(engine)
     out["types"] = (type(engine.optimizer).__name__, type(engine.optimizer.optimizer).__name__)
     out["lrs"] = engine.get_lr()
     reducer = getattr(engine.optimizer, "reducer", None)
@@ -155,6 +155,16 @@ def engine_run(config: dict, run: dict) -> dict:
     groups = getattr(engine.optimizer, "groups", None)
     out["devices"] = (str(device), str(groups[0].master.device) if groups else None)
     return out
+
+
+def whole_state(engine) -> dict:
+    """The module's whole weights and buffers as float CPU tensors (ZeRO-3 parameters gathered for the read)."""
+    import deepspeed
+
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+        return {k: v.detach().float().cpu().clone() for k, v in named}
 
 
 def reference_run(run: dict, clip: float = 0.0) -> dict:

@@ -38,6 +38,9 @@ COMPAT_PATHS: dict[str, str] = {
     # ZeRO (ds-zero, issue 7)
     "deepspeed.runtime.zero.stage_1_and_2": "ds_zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3": "ds_zero.stage3",
+    # ZeRO-3 (ds-zero, issue 12)
+    "deepspeed.zero": "ds_zero.zero3",
+    "deepspeed.runtime.zero.partition_parameters": "ds_zero.partition_parameters",
     "deepspeed.runtime.zero.offload_states": "ds_zero.offload_states",
     "deepspeed.runtime.zero.utils": "ds_zero.utils",
     "deepspeed.utils.zero_to_fp32": "ds_zero.zero_to_fp32",

@@ -81,12 +81,21 @@ def _result_device(opt: Any, param: torch.nn.Parameter) -> torch.device:
     return param.device
 
 
+def _numel(param: torch.nn.Parameter) -> int:
+    """Elements of the whole parameter (a ZeRO-3 parameter's own tensor may be empty)."""
+    return param.ds_numel if is_zero_param(param) else param.numel()
+
+
+def _shape(param: torch.nn.Parameter) -> torch.Size:
+    return param.ds_shape if is_zero_param(param) else param.shape
+
+
 def _flat_value(param: torch.nn.Parameter, value: Any, call: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{call}: value must be a torch.Tensor, got {type(value).__name__}")
-    if value.numel() != param.numel():
+    if value.numel() != _numel(param):
         raise ValueError(f"{call}: value has shape {tuple(value.shape)} ({value.numel()} elements); the parameter "
-                         f"has shape {tuple(param.shape)} ({param.numel()} elements)")
+                         f"has shape {tuple(_shape(param))} ({_numel(param)} elements)")
     return value.detach().reshape(-1)
 
 
@@ -134,7 +143,7 @@ def _assemble(opt: Any, params: Sequence[torch.nn.Parameter], partition_of: Call
     offsets, total = [], 0
     for p in params:
         offsets.append(total)
-        total += p.numel()
+        total += _numel(p)
     buf = torch.zeros(total, dtype=work, device=device)
     with torch.no_grad():
         for p, offset in zip(params, offsets, strict=True):
@@ -145,7 +154,7 @@ def _assemble(opt: Any, params: Sequence[torch.nn.Parameter], partition_of: Call
                     part.narrow(0, frag.partition_offset, frag.numel))
         if opt.world > 1:
             opt.comm.all_reduce(buf, group=opt.dp_group)
-    return [buf.narrow(0, offset, p.numel()).view(p.shape).to(dtype)
+    return [buf.narrow(0, offset, _numel(p)).view(_shape(p)).to(dtype)
             for p, offset, dtype in zip(params, offsets, dtypes, strict=True)]
 
 
@@ -225,7 +234,12 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     flat = _flat_value(param, value, call)
     with torch.no_grad():
         _scatter(opt, param, _master, flat)
-        param.data.copy_(flat.view(param.shape))
+        if is_zero_param(param):  # the 16-bit partition, and the whole value while it is gathered
+            _lp_from_master(opt, param)
+            if param.numel() == flat.numel():
+                param.data.copy_(flat.view(param.shape))
+        else:
+            param.data.copy_(flat.view(param.shape))
 
 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: Any) -> None:
@@ -334,31 +348,75 @@ def _zero3_only(call: str, param: torch.nn.Parameter) -> NotZero3ParameterError:
                                   f"ds_id); {what}. Use {full} for the full value")
 
 
+def _zero3_owner(param: torch.nn.Parameter, call: str) -> Any:
+    opt = owner_of(param)
+    if not is_zero_param(param) or opt is None or not hasattr(opt, "group_of"):
+        raise _zero3_only(call, param)
+    return opt
+
+
+def _lp_from_master(opt: Any, param: torch.nn.Parameter) -> None:
+    """This rank's 16-bit partition of ``param`` from its fp32 master slice."""
+    param.ds_tensor.copy_(opt.group_of(param).master_slice(param))
+
+
+def _local_value(param: torch.nn.Parameter, value: Any, call: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{call}: value must be a torch.Tensor, got {type(value).__name__}")
+    if value.numel() != param.ds_tensor.numel():
+        raise ValueError(f"{call}: value has {value.numel()} elements; this rank's partition of the parameter (shape "
+                         f"{tuple(param.ds_shape)}) has {param.ds_tensor.numel()} (param.ds_tensor.shape)")
+    return value.detach().reshape(-1)
+
+
+def _local_state(opt: Any, param: torch.nn.Parameter, key: Any, call: str) -> torch.Tensor:
+    group = opt.group_of(param)
+    state = _state_partition(opt, group, key, call)
+    i = group.index[id(param)]
+    return state.narrow(0, group.offsets[i], param.ds_tensor.numel())
+
+
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """ZeRO-3 only: this rank's fp32 partition of ``param``."""
-    raise _zero3_only("safe_get_local_fp32_param", param)
+    """ZeRO-3 only: this rank's fp32 partition of ``param`` (``ds_tensor``'s size)."""
+    opt = _zero3_owner(param, "safe_get_local_fp32_param")
+    return opt.group_of(param).master_slice(param).clone()
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """ZeRO-3 only: this rank's gradient partition of ``param``."""
-    raise _zero3_only("safe_get_local_grad", param)
+    """ZeRO-3 only: this rank's gradient partition of ``param`` (after backward, before step), in the
+    accumulation dtype."""
+    opt = _zero3_owner(param, "safe_get_local_grad")
+    return opt.group_of(param).grad_slice(param).clone()
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: Any) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
-    raise _zero3_only("safe_get_local_optimizer_state", param)
+    opt = _zero3_owner(param, "safe_get_local_optimizer_state")
+    return _local_state(opt, param, optim_state_key, "safe_get_local_optimizer_state").clone()
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """ZeRO-3 only: set this rank's fp32 partition of ``param``."""
-    raise _zero3_only("safe_set_local_fp32_param", param)
+    """ZeRO-3 only: set this rank's fp32 partition of ``param`` (and its 16-bit partition; a whole value gathered
+    at the moment follows at the next step)."""
+    call = "safe_set_local_fp32_param"
+    opt = _zero3_owner(param, call)
+    with torch.no_grad():
+        opt.group_of(param).master_slice(param).copy_(_local_value(param, value, call))
+        _lp_from_master(opt, param)
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """ZeRO-3 only: set this rank's gradient partition of ``param``."""
-    raise _zero3_only("safe_set_local_grad", param)
+    call = "safe_set_local_grad"
+    opt = _zero3_owner(param, call)
+    with torch.no_grad():
+        opt.group_of(param).grad_slice(param).copy_(_local_value(param, value, call))
 
 
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: Any) -> None:
     """ZeRO-3 only: set this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
-    raise _zero3_only("safe_set_local_optimizer_state", param)
+    call = "safe_set_local_optimizer_state"
+    opt = _zero3_owner(param, call)
+    _init_adam_state(opt, opt.group_of(param))
+    with torch.no_grad():
+        _local_state(opt, param, optim_state_key, call).copy_(_local_value(param, value, call))

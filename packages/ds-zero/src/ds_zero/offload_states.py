@@ -49,16 +49,22 @@ _RECORDS: weakref.WeakKeyDictionary[Any, dict[OffloadStateTypeEnum, dict[int, tu
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------------
-def _zero_optimizer(obj: Any, call: str) -> DeepSpeedZeroOptimizer:
-    """``obj`` itself, or its ``.optimizer`` (an engine), when that is a ZeRO stage 1/2 optimizer."""
-    if isinstance(obj, DeepSpeedZeroOptimizer):
+def _is_zero(obj: Any) -> bool:
+    from ds_zero.zero3.optimizer import DeepSpeedZeroOptimizer_Stage3
+
+    return isinstance(obj, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
+
+
+def _zero_optimizer(obj: Any, call: str) -> Any:
+    """``obj`` itself, or its ``.optimizer`` (an engine), when that is a ZeRO stage 1-3 optimizer."""
+    if _is_zero(obj):
         return obj
     inner = getattr(obj, "optimizer", None)
-    if isinstance(inner, DeepSpeedZeroOptimizer):
+    if _is_zero(inner):
         return inner
     got = type(obj).__name__ + (f" whose optimizer is {type(inner).__name__}" if hasattr(obj, "optimizer") else "")
-    raise TypeError(f"{call}: expected a ZeRO stage 1/2 optimizer (DeepSpeedZeroOptimizer) or an engine using one "
-                    f"(zero_optimization.stage 1 or 2), got {got}")
+    raise TypeError(f"{call}: expected a ZeRO optimizer (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3) or "
+                    f"an engine using one (zero_optimization.stage 1-3), got {got}")
 
 
 def _state(value: Any, call: str) -> OffloadStateTypeEnum:
@@ -141,6 +147,9 @@ def _copied(t: torch.Tensor, device: torch.device, how: _Transfer) -> torch.Tens
 def _move_group(fg: Any, device: torch.device, how: _Transfer) -> None:
     """Move a group's flat low-precision buffer and re-point the parameters (views into it)."""
     fg.lp_flat.data = _copied(fg.lp_flat.data, device, how)
+    if hasattr(fg, "repoint"):  # ZeRO-3: the partitions are the views
+        fg.repoint()
+        return
     flat = fg.lp_flat.detach()
     start, end = fg.layout.partition_range(fg.rank)
     fg.lp_partition.data = flat[start:end]
@@ -204,7 +213,7 @@ def reload_states(optimizer: Any, non_blocking: bool = False) -> None:
 def offloaded(optimizer: Any) -> list[OffloadStateTypeEnum]:
     """The states :func:`offload_states` moved off their device and :func:`reload_states` has not yet moved
     back (offloading to the device a state is already on moves nothing)."""
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer):  # e.g. a stage registered by a plug-in: never offloaded
+    if not _is_zero(optimizer):  # e.g. a stage registered by a plug-in: never offloaded
         return []
     return [state for state, seen in _RECORDS.get(optimizer, {}).items()
             if any(_device_of(holder) != device for holder, device in seen.values())]

@@ -121,7 +121,9 @@ class _FlatVector:
     """Several 1-D tensors read as one vector without concatenating them (no copy)."""
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.parts = [part.reshape(-1) for part in parts]
+        # detached: DeepSpeed saves its fp32 partitions with requires_grad=True; copying from them as they are
+        # would give every output tensor an autograd graph holding each rank's whole partition alive
+        self.parts = [part.detach().reshape(-1) for part in parts]
         self.starts = [0]
         for part in self.parts:
             self.starts.append(self.starts[-1] + part.numel())

@@ -36,6 +36,7 @@ class StageInputs:
     config: Any
     dp_group: Any
     dp_world_size: int
+    scheduler: Any = None  # ZeRO-3: the partitioned model's gather/release scheduler
 
 
 StageBuilder = Callable[[StageInputs], tuple[OptimizerWrapper, GradientReducer]]
@@ -43,6 +44,7 @@ STAGE_BUILDERS: dict[int, str | StageBuilder] = {
     0: "deepspeed.runtime._setup:build_stage0",
     1: "deepspeed.runtime._zero_setup:build_zero_stage",
     2: "deepspeed.runtime._zero_setup:build_zero_stage",
+    3: "deepspeed.runtime._zero3_setup:build_zero3_stage",
 }
 """ZeRO stage -> its builder, or the ``"module:function"`` path of it (the ZeRO stages add rows here)."""
 
@@ -72,13 +74,15 @@ def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -
     return module
 
 
-def broadcast_module(module: torch.nn.Module, dp_group: Any) -> None:
-    """Give every data-parallel rank rank 0's parameters and buffers (ranks may have initialised differently)."""
+def broadcast_module(module: torch.nn.Module, dp_group: Any, params: list[torch.nn.Parameter] | None = None) -> None:
+    """Give every data-parallel rank rank 0's parameters (``params``, default all) and buffers (ranks may have
+    initialised differently)."""
     if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
         return
     src = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
+    params = list(module.parameters()) if params is None else params
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*params, *module.buffers()]:
             dist.broadcast(tensor.data, src=src, group=dp_group)
 
 

@@ -26,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import _setup
 from deepspeed.runtime._accessors import ConfigAccessors
 from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
+from deepspeed.runtime._zero3_engine import Zero3EngineMethods
 from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
 from deepspeed.utils import log_dist
@@ -37,7 +38,7 @@ _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TRAINERS_OF: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
 
-class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
+class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -54,7 +55,13 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._place(mpu, dp_group)
         self.module = _setup.prepare_module(model, config, self.device)
-        _setup.broadcast_module(self.module, self.dp_group)
+        self.zero3_scheduler = None  # ZeRO-3: gathers and releases the partitioned parameters around each module
+        if config.zero_stage == 3:
+            from deepspeed.runtime._zero3_setup import partition_model
+
+            self.zero3_scheduler = partition_model(self.module, config, self.dp_group, self.device, mpu)
+        else:
+            _setup.broadcast_module(self.module, self.dp_group)
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
         self._released: str | None = None  # why this engine may no longer train (see _release)
@@ -102,8 +109,8 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         from deepspeed.runtime._optimizer_factory import build_basic_optimizer, check_zero_optimizer
 
         params = trainable(self.module.parameters())
-        # stages 0-2 leave the weights whole, so without an optimizer the module is simply evaluated
-        if optimizer is None and self._config.optimizer is None and self._config.zero_stage <= 2:
+        # without an optimizer the module is simply evaluated (ZeRO-3 still gathers its partitioned weights)
+        if optimizer is None and self._config.optimizer is None:
             self._configure_without_optimizer(lr_scheduler)
             return
         chosen = list(model_parameters) if model_parameters is not None else params
@@ -113,7 +120,7 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
         trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
-                                    self.dp_world_size)
+                                    self.dp_world_size, scheduler=self.zero3_scheduler)
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
@@ -432,8 +439,16 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         """Write the module's (16-bit when training in fp16/bf16) weights to ``<save_dir>/<save_filename>``."""
         from deepspeed.runtime import checkpointing
 
+        state_dict = None
+        if self.zero3_scheduler is not None:  # ZeRO-3: gather the partitions, when the config allows it
+            if not self.zero_gather_16bit_weights_on_model_save():
+                log_dist(f"Did not save the model {os.path.join(save_dir, save_filename)} because "
+                         "stage3_gather_16bit_weights_on_model_save is False", ranks=[0], level=logging.WARNING)
+                return False
+            state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         return checkpointing.save_16bit_model(self, save_dir, save_filename,
-                                              exclude_frozen_parameters=exclude_frozen_parameters)
+                                              exclude_frozen_parameters=exclude_frozen_parameters,
+                                              state_dict=state_dict)
 
     # ---- ZeRO state placement (ds_zero.offload_states) ---------------------------------------------------
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
@@ -477,6 +492,8 @@ class DeepSpeedEngine(ConfigAccessors, torch.nn.Module):
         self._release("destroy() was called")
 
     def _release(self, why: str) -> None:
+        if self.zero3_scheduler is not None:
+            self.zero3_scheduler.remove()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

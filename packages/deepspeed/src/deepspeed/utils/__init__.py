@@ -2,6 +2,7 @@
 
 Submodules: ``logging`` (logger, ``log_dist``), ``comms_logging`` (the ``comms_logger`` records),
 ``zero_to_fp32`` (ds-zero's checkpoint converter). The ``safe_*`` functions come from ``ds_zero.debug`` and
+and the ZeRO-3 leaf-module functions (``set_z3_leaf_modules``, ...) from ``ds_zero.zero3.leaf``, and
 are imported on first use, so ``import deepspeed`` stays free of torch.
 """
 
@@ -26,14 +27,18 @@ _ZERO_DEBUG = (
     "safe_set_local_optimizer_state",
 )
 
-__all__ = ["log_dist", "logger", *_ZERO_DEBUG]
+_Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+            "z3_leaf_parameter")
+
+__all__ = ["log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ZERO_DEBUG:
+    if name in _ZERO_DEBUG or name in _Z3_LEAF:
         import ds_zero.debug
+        import ds_zero.zero3.leaf
 
-        value = getattr(ds_zero.debug, name)
+        value = getattr(ds_zero.debug if name in _ZERO_DEBUG else ds_zero.zero3.leaf, name)
         globals()[name] = value
         return value
     return _submodule(name)

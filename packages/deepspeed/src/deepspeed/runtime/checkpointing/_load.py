@@ -10,7 +10,7 @@ from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
 from deepspeed.runtime.checkpointing._errors import CheckpointError, CorruptCheckpointError
 from deepspeed.runtime.checkpointing._layout import LATEST_FILE, model_states_name, read_latest, validate_tag
 from deepspeed.runtime.checkpointing._serialize import load_file
-from deepspeed.runtime.checkpointing._state import EngineState, ShardContext
+from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
 from deepspeed.runtime.checkpointing._sync import check_same_call, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
 from deepspeed.utils.logging import logger
@@ -65,6 +65,16 @@ def _restore_training_state(state: EngineState, checkpoint: dict[str, Any], load
         counters.micro_steps = int(checkpoint["micro_steps"])
 
 
+def _model_states_path(state: EngineState, tag_dir: str) -> str:
+    """``mp_rank_XX_model_states.pt``, or with ZeRO-3 this rank's own file (rank 0's when the checkpoint was
+    saved by fewer ranks: buffers and counters are the same in every rank's file)."""
+    per_rank = per_rank_model_states(state)
+    if per_rank is None:
+        return os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
+    own = os.path.join(tag_dir, per_rank(state.parallel.dp_rank, state.parallel.mp_rank))
+    return own if os.path.isfile(own) else os.path.join(tag_dir, per_rank(0, state.parallel.mp_rank))
+
+
 def _read_model_states(state: EngineState, path: str) -> dict[str, Any]:
     checkpoint = load_file(path, trusted=state.trusted_load)
     if not isinstance(checkpoint, dict):
@@ -104,7 +114,7 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
         tags = check_same_call(_OP, arrivals, meeting.rank)
         validate_tags(tags, state.checkpoint_config.tag_validation, meeting.rank)
     tag_dir = os.path.join(load_dir, tag)
-    path = os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
+    path = _model_states_path(state, tag_dir)
     if meeting is not None:  # a rank-specific tag can leave some ranks without their file: fail together
         found = meeting.exchange("found", str(os.path.isfile(path)), f"check {path}")
         missing = sorted(r for r, v in found.items() if v == "False")

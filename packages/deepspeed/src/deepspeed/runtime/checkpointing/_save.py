@@ -26,7 +26,7 @@ from deepspeed.runtime.checkpointing._layout import (
     writer_rank,
 )
 from deepspeed.runtime.checkpointing._serialize import compact_for_save, module_state_dict, save_file
-from deepspeed.runtime.checkpointing._state import EngineState, ShardContext
+from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
 from deepspeed.runtime.checkpointing._sync import Meeting, check_same_call, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
 
@@ -71,7 +71,11 @@ def model_states(state: EngineState, client_state: Mapping[str, Any] | None,
 def _rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str, Any] | None) -> dict[str, Any]:
     """``{file name: object}`` this rank writes into the tag directory."""
     files: dict[str, Any] = {}
-    if writer_rank(state.checkpoint_config, state.parallel) == 0:
+    per_rank = per_rank_model_states(state)
+    if per_rank is not None:  # ZeRO-3: every data-parallel rank writes its own model-states file
+        name = per_rank(state.parallel.dp_rank, state.parallel.mp_rank)
+        files[name] = model_states(state, client_state, ctx.exclude_frozen_parameters)
+    elif writer_rank(state.checkpoint_config, state.parallel) == 0:
         name = model_states_name(state.parallel.mp_rank)
         files[name] = model_states(state, client_state, ctx.exclude_frozen_parameters)
     for shard in state.shards:

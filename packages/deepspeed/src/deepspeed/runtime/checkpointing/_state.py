@@ -107,6 +107,9 @@ class CheckpointShards(Protocol):
 
     ``owns_optimizer_state``: when True the model-states file stores ``optimizer: None`` (the shards hold
     it, as with ZeRO) and loading leaves the optimizer to :meth:`load_files`.
+    ``model_states_name(dp_rank, mp_rank)`` (optional): every data-parallel rank writes its own model-states file
+    under this name (ZeRO-3's ``zero_pp_rank_<r>_mp_rank_XX_model_states.pt``) instead of rank 0 writing
+    ``mp_rank_XX_model_states.pt``.
     ``owns_module_state`` (optional, default False): likewise for the weights (``module: None``), as with
     pipeline layer files (:class:`PipelineLayerShards`).
     ``model_state_extras()``: keys merged into the model-states file (e.g. ZeRO's ``param_shapes``).
@@ -154,3 +157,12 @@ class EngineState:
     def module_in_shards(self) -> bool:
         """Whether an extension (pipeline layer files) saves the weights instead of the model-states file."""
         return any(getattr(shard, "owns_module_state", False) for shard in self.shards)
+
+
+def per_rank_model_states(state: EngineState) -> Callable[[int, int], str] | None:
+    """The per-rank model-states file name of an extension that asks for one (ZeRO-3), else None."""
+    for shard in state.shards:
+        name = getattr(shard, "model_states_name", None)
+        if name is not None:
+            return name
+    return None

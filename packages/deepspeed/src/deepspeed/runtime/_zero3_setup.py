@@ -1,0 +1,168 @@
+"""ZeRO stage 3 for the engine: partition the model (the model transform of ``initialize``) and build the ZeRO-3
+optimizer wrapper and its reduce-scatter from ``zero_optimization``.
+
+Every documented ``zero_optimization`` field is either honoured by ds-zero or rejected here with the reason
+(NVMe offload, ZeRO++ and MiCS come with ZeRO-Infinity; ZenFlow and the legacy stage 1 are not available).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepspeed import comm
+from deepspeed.runtime._setup import StageInputs, _comm_dtype, _grad_accum_fp32, _loss_scaler
+from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
+from ds_config import ConfigError, ConfigProblem
+
+
+def _problem(key: str, why: str, value: Any) -> ConfigProblem:
+    return ConfigProblem(f"zero_optimization.{key}", why, value)
+
+
+def _unsupported(config: Any, mpu: Any, module: torch.nn.Module) -> list[ConfigProblem]:
+    zero = config.zero_optimization
+    later = "is part of ZeRO-Infinity/ZeRO++/MiCS, not available in this version; accepted here"
+    problems = []
+    for key, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
+        if section is not None and str(section.device).endswith("nvme"):
+            problems.append(_problem(f"{key}.device", f"NVMe offload {later}: none or cpu", "nvme"))
+    off = zero.offload_optimizer
+    if off is not None and float(off.ratio) != 1.0:
+        problems.append(_problem("offload_optimizer.ratio", f"partial optimizer offload {later}: 1.0", off.ratio))
+    if off is not None and off.super_offload:
+        problems.append(_problem("offload_optimizer.super_offload", "SuperOffload is not available in this "
+                                 "version; accepted: false", True))
+    for key, value, accepted in (("zero_quantized_weights", zero.zero_quantized_weights, False),
+                                 ("zero_quantized_gradients", zero.zero_quantized_gradients, False),
+                                 ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights,
+                                  False),
+                                 ("zero_hpz_partition_size", zero.zero_hpz_partition_size, 1),
+                                 ("mics_shard_size", zero.mics_shard_size, -1)):
+        if value != accepted and not (key == "mics_shard_size" and value == 0):
+            problems.append(_problem(key, f"this option {later}: {accepted}", value))
+    if zero.zenflow is not None:
+        problems.append(_problem("zenflow", "ZenFlow is not available in this version; accepted: null", "{...}"))
+    if zero.legacy_stage1:
+        problems.append(_problem("legacy_stage1", "a stage 1 option; accepted with stage 3: false", True))
+    pipe = mpu.get_pipe_parallel_world_size() if mpu is not None and hasattr(mpu, "get_pipe_parallel_world_size") \
+        else 1
+    if pipe > 1 or type(module).__name__ == "PipelineModule":
+        problems.append(_problem("stage", "ZeRO stage 3 partitions parameters across the data-parallel group and "
+                                 "cannot be combined with pipeline parallelism; accepted with a pipeline: 0 or 1", 3))
+    if config.amp_enabled:
+        problems.append(ConfigProblem("amp.enabled", "NVIDIA Apex AMP is not available with ZeRO; use \"bf16\" or "
+                                      "\"fp16\"", True))
+    return problems
+
+
+def _schedule_settings(zero: Any) -> Any:
+    from ds_zero.zero3._schedule import ScheduleSettings
+
+    return ScheduleSettings(
+        prefetch_bucket_numel=int(zero.prefetch_bucket_size), max_live_numel=int(zero.max_live_parameters),
+        max_reuse_distance=int(zero.max_reuse_distance),
+        param_persistence_threshold=int(zero.param_persistence_threshold),
+        model_persistence_threshold=int(zero.model_persistence_threshold),
+        module_granularity_threshold=int(zero.module_granularity_threshold),
+        log_trace_cache_warnings=bool(zero.log_trace_cache_warnings))
+
+
+def _leaf_rule(zero: Any) -> Any:
+    from ds_zero.zero3.leaf import leaf_rule
+
+    leaf = zero.leaf_module
+    return leaf_rule(leaf.classes, leaf.names, leaf.name_suffixes)
+
+
+def _partition_device(config: Any, device: torch.device) -> torch.device:
+    par = config.zero_optimization.offload_param
+    return torch.device("cpu") if par is not None and str(par.device).endswith("cpu") else device
+
+
+def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device: torch.device,
+                    mpu: Any = None) -> Any:
+    """Partition every parameter of ``module`` over ``dp_group`` (those built under ``zero.Init`` already are)
+    and install the gather/release hooks; returns the ``ParamScheduler``."""
+    from deepspeed.runtime._setup import broadcast_module
+    from ds_zero.zero3._param import PartitionSpace, convert_param, is_partitioned
+    from ds_zero.zero3._schedule import ParamScheduler
+    from ds_zero.zero3.state_dict_hooks import install_state_dict_hooks
+
+    problems = _unsupported(config, mpu, module)
+    if problems:
+        raise ConfigError(*problems)
+    space = PartitionSpace.of(dp_group, _partition_device(config, device), device, comm=comm)
+    whole = [p for p in module.parameters() if not is_partitioned(p)]
+    for p in module.parameters():
+        if is_partitioned(p):
+            _adopt_partitioned(p, space)
+    broadcast_module(module, dp_group, params=whole)
+    for p in whole:
+        convert_param(p, space)
+    zero = config.zero_optimization
+    scheduler = ParamScheduler(module, _schedule_settings(zero), _leaf_rule(zero))
+    install_state_dict_hooks(module)
+    return scheduler
+
+
+def _adopt_partitioned(param: torch.nn.Parameter, space: Any) -> None:
+    """A parameter built under ``zero.Init``: its partition follows the engine's dtype and offload device."""
+    if param.ds_space.world != space.world or param.ds_space.rank != space.rank:
+        raise ConfigError(ConfigProblem("zero_optimization.stage", f"a parameter (shape {tuple(param.ds_shape)}) was "
+                                        f"partitioned by zero.Init over {param.ds_space.world} ranks, but the engine's "
+                                        f"data-parallel group has {space.world}; build the model under zero.Init with "
+                                        "the same data_parallel_group (or mpu) as deepspeed.initialize", 3))
+    if param.ds_tensor.dtype != param.dtype or param.ds_tensor.device != space.device:
+        param.ds_tensor = param.ds_tensor.to(space.device, param.dtype)
+        param.ds_tensor.ds_numel = param.ds_tensor.numel()
+    if param.data.device != space.compute_device:
+        param.data = torch.empty(0, dtype=param.dtype, device=space.compute_device)
+    param.ds_space = space
+
+
+def zero3_settings(config: Any) -> Any:
+    from ds_zero.stage_1_and_2 import ReduceSettings
+    from ds_zero.zero3.optimizer import Zero3Settings
+
+    zero = config.zero_optimization
+    off = zero.offload_optimizer
+    offload = off is not None and str(off.device).endswith("cpu")
+    reduce = ReduceSettings(
+        bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
+        contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
+        ignore_unused_parameters=bool(zero.ignore_unused_parameters),
+        comm_dtype=_comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
+        prescale_gradients=bool(config.prescale_gradients),
+        gradient_predivide_factor=float(config.gradient_predivide_factor))
+    check = (config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
+             or _loss_scaler(config) is not None)
+    return Zero3Settings(reduce=reduce, clip=float(config.gradient_clipping), check_overflow=bool(check),
+                         fp32_grad_accum=_grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
+                         offload_optimizer=offload, pin_memory=bool(off.pin_memory) if offload else False,
+                         load_from_fp32_weights=bool(zero.load_from_fp32_weights),
+                         sub_group_size=int(zero.sub_group_size))
+
+
+def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
+    """The ZeRO-3 optimizer wrapper over the partitioned model and its reduce-scatter."""
+    from deepspeed.__about__ import __version__
+    from deepspeed.runtime._zero_setup import _check_offload_optimizer
+    from ds_zero.zero3.checkpoint_shards import Zero3CheckpointShards
+    from ds_zero.zero3.optimizer import DeepSpeedZeroOptimizer_Stage3
+
+    config = inputs.config
+    if inputs.scheduler is None:
+        raise RuntimeError("ZeRO stage 3: the model was not partitioned before the optimizer was built")
+    settings = zero3_settings(config)
+    if settings.offload_optimizer:
+        _check_offload_optimizer(inputs.basic_optimizer, config)
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, p in inputs.module.named_parameters():
+        names.setdefault(p, name)
+    wrapper = DeepSpeedZeroOptimizer_Stage3(inputs.basic_optimizer, inputs.params, names, inputs.scheduler, settings,
+                                            loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm)
+    wrapper.checkpoint_shards = (Zero3CheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
+                                                       bf16=config.precision == "bf16"),)
+    return wrapper, wrapper.reducer

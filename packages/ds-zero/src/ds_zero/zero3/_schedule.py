@@ -1,0 +1,388 @@
+"""Gather and release scheduling: module hooks that make each module's parameters whole right before it runs
+(forward and backward) and partitioned again after, unless they are persistent.
+
+A *gather unit* is a module and the parameters it owns directly, or, for a leaf module (``z3_leaf_module``,
+the ``leaf_module`` config block, or a module finer than ``stage3_module_granularity_threshold``), its whole
+subtree, gathered at once. Hooks per unit:
+- forward pre-hook: fetch (wait for a prefetched gather, or gather now), then prefetch what the trace says
+  comes next; the tensors the module receives are routed through ``_AfterBackward`` so that, in backward,
+  the unit is released once gradients for its inputs exist (its own backward is done);
+- forward post-hook: release (or keep when the trace says the unit is reused soon), and hook the outputs so
+  the unit is fetched again when backward reaches it.
+Parameters used outside their module (``F.linear(h, self.embed.weight)`` in a parent's forward, or returned
+from a forward) become *external* parameters of the running unit, found through the parameter dictionaries
+(``_ZeroParamDict``) or the outputs, or registered by hand (``register_external_parameter``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
+from ds_zero.zero3._param import ZeroParamStatus, is_partitioned, release_one
+from ds_zero.zero3._prefetch import TraceCache, TraceSettings
+
+logger = logging.getLogger("DeepSpeed")
+_UNIT_IDS = itertools.count()
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """The gather/release knobs of ``zero_optimization`` (element counts)."""
+
+    prefetch_bucket_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = 2 ** 63 - 1
+    module_granularity_threshold: int = 0
+    log_trace_cache_warnings: bool = False
+
+
+class GatherUnit:
+    """A module and the parameters gathered together for it."""
+
+    def __init__(self, module: torch.nn.Module, name: str, params: list[torch.nn.Parameter]) -> None:
+        self.id = next(_UNIT_IDS)
+        self.module_ref = weakref.ref(module)
+        self.name = name or type(module).__name__
+        self.params = params
+        self.external: list[torch.nn.Parameter] = []
+
+    def all_params(self) -> list[torch.nn.Parameter]:
+        return self.params + self.external if self.external else self.params
+
+    def transient_numel(self) -> int:
+        return sum(p.ds_numel for p in self.all_params() if not p.ds_persist)
+
+
+def is_z3_leaf(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "_z3_leaf", False))
+
+
+def _granularity_leaves(root: torch.nn.Module, threshold: int) -> set[int]:
+    """Modules whose parameters per descendant fall under ``threshold``: gathered as one unit."""
+    if threshold <= 0:
+        return set()
+    found = set()
+    for module in root.modules():
+        descendants = sum(1 for _ in module.modules()) - 1
+        if descendants == 0:
+            continue
+        numel = sum(p.ds_numel if is_partitioned(p) else p.numel() for p in module.parameters())
+        if numel / (1 + descendants) < threshold:
+            found.add(id(module))
+    return found
+
+
+def build_units(root: torch.nn.Module, is_leaf: Callable[[str, torch.nn.Module], bool],
+                granularity_threshold: int = 0) -> list[GatherUnit]:
+    fine = _granularity_leaves(root, granularity_threshold)
+    units = []
+
+    def walk(module: torch.nn.Module, name: str) -> None:
+        if module is not root and (is_leaf(name, module) or id(module) in fine):
+            params = list(dict.fromkeys(module.parameters()))
+            if params:
+                units.append(GatherUnit(module, name, params))
+            return
+        params = list(module.parameters(recurse=False))
+        if params or module is root:
+            units.append(GatherUnit(module, name, params))
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name)
+
+    walk(root, "")
+    for unit in units:
+        module = unit.module_ref()
+        module.__dict__["_z3_unit"] = unit
+        for param in module.__dict__.get("_external_params", {}).values():
+            if all(param is not q for q in unit.all_params()):
+                unit.external.append(param)
+    return units
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's input tensors; its backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, scheduler: Any, unit: GatherUnit, *tensors: torch.Tensor) -> Any:
+        ctx.scheduler, ctx.unit = scheduler, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.scheduler.after_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+class _ZeroParamDict(dict):
+    """A module's ``_parameters``: reading a released parameter while a unit runs gathers it and makes it an
+    external parameter of that unit (the automatic external-parameter detection of the spec)."""
+
+    scheduler_ref: Any = None
+
+    def __getitem__(self, key: str) -> Any:
+        param = super().__getitem__(key)
+        if param is not None and getattr(param, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE:
+            scheduler = self.scheduler_ref() if self.scheduler_ref is not None else None
+            if scheduler is not None and scheduler.active:
+                scheduler.adopt_external(param)
+        return param
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _route_inputs(value: Any, routed: Iterator[torch.Tensor], ids: set[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return next(routed) if id(value) in ids else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_route_inputs(v, routed, ids) for v in value)
+    if isinstance(value, list):
+        return [_route_inputs(v, routed, ids) for v in value]
+    return value
+
+
+class ParamScheduler:
+    """Installs the hooks on ``root`` and runs the gathers and releases of its partitioned parameters."""
+
+    def __init__(self, root: torch.nn.Module, settings: ScheduleSettings,
+                 is_leaf: Callable[[str, torch.nn.Module], bool] | None = None) -> None:
+        self.root = root
+        self.settings = settings
+        self.trace_settings = TraceSettings(settings.prefetch_bucket_numel, settings.max_live_numel,
+                                            settings.max_reuse_distance)
+        self.units = build_units(root, is_leaf or (lambda name, m: is_z3_leaf(m)),
+                                 settings.module_granularity_threshold)
+        self.by_id = {u.id: u for u in self.units}
+        self.cache = TraceCache()
+        self.stack: list[GatherUnit] = []
+        self.pending: dict[int, PendingGather] = {}  # ds_id -> the gather bringing it
+        self.in_pass = False
+        self.backward_pending = False
+        self.ends_with_backward = False  # set by the optimizer, whose reducer ends each training pass
+        self._fetched_at: dict[int, int] = {}
+        self._after_own_backward = False  # unit id -> trace position of its last fetch
+        self._handles: list[Any] = []
+        self._mark_persistent()
+        self._install()
+
+    # ---- setup ---------------------------------------------------------------------------------------------
+    def partitioned_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in dict.fromkeys(self.root.parameters()) if is_partitioned(p)]
+
+    def _mark_persistent(self) -> None:
+        s = self.settings
+        total = 0
+        persistent = []
+        for p in self.partitioned_params():
+            if p.ds_numel <= s.param_persistence_threshold and total + p.ds_numel <= s.model_persistence_threshold:
+                p.ds_persist = True
+                total += p.ds_numel
+                persistent.append(p)
+        self.persistent = persistent
+        self.refresh_persistent()
+
+    def refresh_persistent(self) -> None:
+        """Gather the persistent parameters again (after the partitions changed: a step, a load)."""
+        for p in self.persistent:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        gather_now(self.persistent)
+
+    def _install(self) -> None:
+        ref = weakref.ref(self)
+        for module in self.root.modules():
+            if not isinstance(module._parameters, _ZeroParamDict):
+                table = _ZeroParamDict(module._parameters)
+                module._parameters = table
+            module._parameters.scheduler_ref = ref
+        for unit in self.units:
+            module = unit.module_ref()
+            self._handles.append(module.register_forward_pre_hook(self._hook(self._pre_forward, unit),
+                                                                  with_kwargs=True, prepend=True))
+            self._handles.append(module.register_forward_hook(self._hook(self._post_forward, unit),
+                                                              always_call=True))
+
+    def _hook(self, method: Callable, unit: GatherUnit) -> Callable:
+        ref = weakref.ref(self)
+
+        def hook(module: torch.nn.Module, *args: Any) -> Any:
+            scheduler = ref()
+            return None if scheduler is None else method(unit, *args)
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for module in self.root.modules():
+            if isinstance(module._parameters, _ZeroParamDict):
+                module._parameters.scheduler_ref = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.stack)
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def _pre_forward(self, unit: GatherUnit, args: tuple, kwargs: dict) -> Any:
+        if not self.in_pass:
+            self.in_pass = True
+        self.stack.append(unit)
+        self.fetch(unit)
+        if not torch.is_grad_enabled():
+            return None
+        flat = [t for t in itertools.chain(_tensors(args), _tensors(kwargs)) if t.requires_grad]
+        if not flat:
+            return None
+        routed = iter(_AfterBackward.apply(self, unit, *flat))
+        ids = {id(t) for t in flat}
+        new_args = _route_inputs(args, routed, ids)
+        new_kwargs = {k: _route_inputs(v, routed, ids) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    def _post_forward(self, unit: GatherUnit, args: tuple, output: Any) -> None:
+        if self.stack and self.stack[-1] is unit:
+            self.stack.pop()
+        self._adopt_returned(output)
+        grads = [t for t in _tensors(output) if t.requires_grad]
+        if grads and torch.is_grad_enabled():
+            self.backward_pending = True
+            ref = weakref.ref(self)
+
+            def before_backward(_: Any) -> None:
+                scheduler = ref()
+                if scheduler is not None:
+                    scheduler.before_backward(unit)
+            torch.autograd.graph.register_multi_grad_hook(grads, before_backward, mode="any")
+        self.release(unit)
+        if unit.module_ref() is self.root and not (self.backward_pending and self.ends_with_backward):
+            self.end_pass()  # forward only (evaluation): the pass ends with the model's forward
+
+    def _adopt_returned(self, output: Any) -> None:
+        """A parameter returned from a forward is used by the caller: it becomes external to the caller's unit."""
+        for t in _tensors(output):
+            if isinstance(t, torch.nn.Parameter) and is_partitioned(t) and self.stack:
+                owner = self.stack[-1]
+                if all(t is not q for q in owner.all_params()):
+                    owner.external.append(t)
+                    t.ds_external = True
+                t.ds_active_sub_modules.add(owner.id)
+
+    def adopt_external(self, param: torch.nn.Parameter) -> None:
+        unit = self.stack[-1]
+        if all(param is not q for q in unit.all_params()):
+            unit.external.append(param)
+            param.ds_external = True
+        param.ds_active_sub_modules.add(unit.id)
+        self._wait_or_gather([param])
+
+    # ---- backward --------------------------------------------------------------------------------------------
+    def before_backward(self, unit: GatherUnit) -> None:
+        self.fetch(unit)
+
+    def after_backward(self, unit: GatherUnit) -> None:
+        self._after_own_backward = True
+        try:
+            self.release(unit)
+        finally:
+            self._after_own_backward = False
+
+    # ---- fetch / release -------------------------------------------------------------------------------------
+    def _wait_or_gather(self, params: list[torch.nn.Parameter]) -> None:
+        waiting = []
+        for p in params:
+            pending = self.pending.get(p.ds_id)
+            if pending is not None and pending not in waiting:
+                waiting.append(pending)
+        for pending in waiting:
+            pending.wait()
+            for key in [k for k, v in self.pending.items() if v is pending]:
+                del self.pending[key]
+        gather_now(params)
+
+    def fetch(self, unit: GatherUnit) -> None:
+        params = unit.all_params()
+        for p in params:
+            p.ds_active_sub_modules.add(unit.id)
+        on_track = self.cache.record(unit.id, unit.transient_numel())
+        self._fetched_at[unit.id] = self.cache.position
+        self._wait_or_gather(params)
+        if on_track:
+            self._prefetch(self.cache.position)
+
+    def _live_numel(self) -> int:
+        return sum(p.ds_numel for p in self.partitioned_params()
+                   if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist)
+
+    def _prefetch(self, position: int) -> None:
+        s, trace = self.trace_settings, self.cache.trace
+        if s.prefetch_numel <= 0 or trace is None:
+            return
+        wanted: list[torch.nn.Parameter] = []
+        budget = s.max_live_numel - self._live_numel()
+        for j in trace.ahead(position, s.prefetch_numel):
+            for p in self.by_id[trace.units[j]].all_params():
+                if p.ds_status is ZeroParamStatus.NOT_AVAILABLE and all(p is not q for q in wanted):
+                    if p.ds_numel > budget:
+                        break
+                    budget -= p.ds_numel
+                    wanted.append(p)
+        if wanted:
+            pending = start_gather(wanted)
+            for p in wanted:
+                self.pending[p.ds_id] = pending
+
+    def release(self, unit: GatherUnit) -> None:
+        for p in unit.all_params():
+            p.ds_active_sub_modules.discard(unit.id)
+        if torch._C._current_graph_task_id() != -1 and not self._after_own_backward:
+            return  # a recomputation (activation checkpointing) inside backward: its backward needs the values
+        pos, trace = self._fetched_at.get(unit.id, -1), self.cache.trace
+        if self.cache.on_track and trace is not None and 0 <= pos < len(trace.units):
+            distance = trace.reuse_distance(pos)
+            if distance is not None and distance < self.trace_settings.max_reuse_distance:
+                return
+        for p in unit.all_params():
+            if not p.ds_active_sub_modules and p.ds_id not in self.pending:
+                release_one(p)
+
+    def release_all(self, include_persistent: bool = False) -> None:
+        """Wait for gathers in flight and release every non-persistent parameter (and, with
+        ``include_persistent``, the persistent ones too: they are gathered again when next used)."""
+        for pending in set(self.pending.values()):
+            pending.wait()
+        self.pending.clear()
+        for p in self.partitioned_params():
+            p.ds_active_sub_modules.clear()
+            if include_persistent and p.ds_persist:
+                p.ds_persist = False
+                release_one(p)
+                p.ds_persist = True
+            else:
+                release_one(p)
+
+    def end_pass(self) -> None:
+        """A pass (forward, plus backward when there was one) is over: release everything and close the trace."""
+        self.release_all()
+        self.stack.clear()
+        self.in_pass = self.backward_pending = False
+        self._fetched_at.clear()
+        if self.cache.end_pass() and self.settings.log_trace_cache_warnings:
+            logger.warning("ZeRO-3: the order in which modules ran changed since the last pass; the prefetch trace "
+                           "was rebuilt (dynamic models prefetch less)")

@@ -1,0 +1,139 @@
+"""The ZeRO-3 optimizer state dict (DeepSpeed's stage-3 keys) and restoring it, also onto another world size.
+
+Each rank saves its flat fp32 master partition per group (``fp32_flat_groups``: every parameter's
+``ceil(numel / W)``-element slice back to back, in the group's order), the wrapped optimizer's state dict over
+those flats (``optimizer_state_dict``), the loss scaler, and ``zero_layout`` (per group: parameter names and
+element counts). With the layouts, any saved world size can be loaded: each parameter's whole value is put
+together from every saved rank's slice and cut again for this rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ds_zero._state import _load_in_place
+from ds_zero.zero3._param import partition_numel
+
+FP32_GROUPS = "fp32_flat_groups"
+BASE_STATE = "optimizer_state_dict"
+
+
+def stage3_state_dict(opt: Any) -> dict[str, Any]:
+    scaler = opt.loss_scaler
+    state = {} if scaler is None else {"loss_scaler": scaler.state_dict()}
+    return {
+        **state,
+        "zero_stage": 3,
+        "dynamic_loss_scale": bool(scaler is not None and hasattr(scaler, "scale_window")),
+        "overflow": bool(opt.overflow),
+        "partition_count": opt.world,
+        BASE_STATE: opt.optimizer.state_dict(),
+        FP32_GROUPS: [g.master.detach() for g in opt.groups],
+        "zero_layout": [{"names": list(g.names), "numels": [int(p.ds_numel) for p in g.params]}
+                        for g in opt.groups],
+    }
+
+
+def _check(opt: Any, states: Sequence[dict[str, Any]]) -> None:
+    for i, sd in enumerate(states):
+        if not isinstance(sd, dict) or FP32_GROUPS not in sd or BASE_STATE not in sd:
+            keys = sorted(sd)[:10] if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"ZeRO-3 optimizer state {i} is not a ZeRO stage 3 state (no '{FP32_GROUPS}'/"
+                             f"'{BASE_STATE}'; found {keys})")
+        if len(sd[FP32_GROUPS]) != len(opt.groups):
+            raise ValueError(f"ZeRO-3 optimizer state has {len(sd[FP32_GROUPS])} parameter groups; this optimizer "
+                             f"has {len(opt.groups)}")
+
+
+def _saved_layout(states: Sequence[dict[str, Any]], g: int, opt: Any) -> tuple[list[str], list[int]]:
+    layout = states[0].get("zero_layout")
+    if layout is None:  # DeepSpeed's own file: the group order is the model's (param_shapes)
+        group = opt.groups[g]
+        return list(group.names), [int(p.ds_numel) for p in group.params]
+    return list(layout[g]["names"]), [int(n) for n in layout[g]["numels"]]
+
+
+def _whole_values(flats: list[torch.Tensor], names: list[str], numels: list[int]) -> dict[str, torch.Tensor]:
+    """name -> whole flattened value, from every saved rank's flat partition (rank order)."""
+    world = len(flats)
+    out, offset = {}, 0
+    for name, numel in zip(names, numels, strict=True):
+        part = partition_numel(numel, world)
+        pieces = [f.reshape(-1).narrow(0, offset, part) for f in flats]
+        out[name] = torch.cat(pieces)[:numel]
+        offset += part
+    return out
+
+
+def _cut(opt: Any, g: int, whole: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    group = opt.groups[g]
+    missing = [n for n in group.names if n not in whole]
+    extra = [n for n in whole if n not in set(group.names)]
+    if missing or extra:
+        raise ValueError(f"ZeRO-3 {what}, group {g}: parameters {missing[:5]} are not in the checkpoint and "
+                         f"{extra[:5]} of the checkpoint are not in the model")
+    out = torch.zeros(group.numel, dtype=torch.float32)
+    for name, p, offset in zip(group.names, group.params, group.offsets, strict=True):
+        value = whole[name]
+        if value.numel() != p.ds_numel:
+            raise ValueError(f"ZeRO-3 {what}: parameter {name} has {value.numel()} elements in the checkpoint and "
+                             f"{p.ds_numel} (shape {tuple(p.ds_shape)}) in the model")
+        part = p.ds_tensor.numel()
+        start = min(opt.rank * part, p.ds_numel)
+        end = min(start + part, p.ds_numel)
+        out[offset:offset + end - start] = value[start:end].float()
+    return out
+
+
+def _same_layout(opt: Any, states: Sequence[dict[str, Any]]) -> bool:
+    if len(states) != 1 or states[0].get("partition_count", opt.world) != opt.world:
+        return False
+    layout = states[0].get("zero_layout")
+    return layout is None or [list(e["names"]) for e in layout] == [list(g.names) for g in opt.groups]
+
+
+def load_stage3_state(opt: Any, states: Sequence[dict[str, Any]]) -> None:
+    _check(opt, states)
+    first = states[0]
+    if opt.loss_scaler is not None and first.get("loss_scaler"):
+        opt.loss_scaler.load_state_dict({**opt.loss_scaler.state_dict(), **first["loss_scaler"]})
+    if _same_layout(opt, states):
+        masters = [m.reshape(-1) for m in first[FP32_GROUPS]]
+        for g, (group, m) in enumerate(zip(opt.groups, masters, strict=True)):
+            if m.numel() != group.numel:
+                raise ValueError(f"ZeRO-3 optimizer state: group {g}'s saved fp32 partition has {m.numel()} elements, "
+                                 f"this rank's has {group.numel} (a different model or world size)")
+        base = first[BASE_STATE]
+    else:
+        masters, base = _repartition(opt, states)
+    _load_in_place(opt.optimizer, base)
+    with torch.no_grad():
+        for group, master in zip(opt.groups, masters, strict=True):
+            if opt.settings.load_from_fp32_weights:
+                group.master.data.copy_(master)
+                group.copy_master_to_lp()
+            else:
+                group.sync_master_from_lp()
+
+
+def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    masters, new_state = [], {}
+    for g in range(len(opt.groups)):
+        names, numels = _saved_layout(states, g, opt)
+        flats = [sd[FP32_GROUPS][g] for sd in states]
+        masters.append(_cut(opt, g, _whole_values(flats, names, numels), "optimizer state"))
+        saved_numel = flats[0].numel()
+        group_state = {}
+        for key, value in states[0][BASE_STATE]["state"].get(g, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == saved_numel:
+                pieces = [sd[BASE_STATE]["state"][g][key] for sd in states]
+                group_state[key] = _cut(opt, g, _whole_values(pieces, names, numels), f"optimizer state {key!r}")
+                group_state[key] = group_state[key].to(value.dtype)
+            else:
+                group_state[key] = value
+        if group_state:
+            new_state[g] = group_state
+    return masters, {"state": new_state, "param_groups": states[0][BASE_STATE]["param_groups"]}

@@ -1,0 +1,54 @@
+"""ZeRO-3 files in a training checkpoint, in DeepSpeed's stage-3 layout.
+
+Every data-parallel rank writes its own model-states file, ``zero_pp_rank_<r>_mp_rank_XX_model_states.pt``
+(buffers, counters, ``param_shapes``; partitioned weights appear as empty tensors, frozen ones as this rank's
+fragment in ``frozen_param_fragments``), and its optimizer file ``zero_pp_rank_<r>_mp_rank_XX_optim_states.pt``
+with the flat fp32 partitions (``fp32_flat_groups``, see ``checkpoint``). Loading reuses the stage 1/2 logic
+(this rank's file, or every saved rank's when the world size changed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ds_zero.checkpoint import ZeroCheckpointShards, shared_params
+
+
+def model_states_name(dp_rank: int, mp_rank: int = 0) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+class Zero3CheckpointShards(ZeroCheckpointShards):
+    """The engine's checkpoint extension for a ``DeepSpeedZeroOptimizer_Stage3``."""
+
+    def __init__(self, optimizer: Any, module: torch.nn.Module, ds_config: Mapping[str, Any], ds_version: str,
+                 bf16: bool = False) -> None:
+        super().__init__(optimizer, module, ds_config, ds_version, bf16=bf16)
+
+    @staticmethod
+    def model_states_name(dp_rank: int, mp_rank: int = 0) -> str:
+        return model_states_name(dp_rank, mp_rank)
+
+    def model_state_extras(self) -> Mapping[str, Any]:
+        frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad}
+        return {
+            "param_shapes": [OrderedDict((name, p.ds_shape) for name, p in zip(g.names, g.params, strict=True))
+                             for g in self.optimizer.groups],
+            "frozen_param_shapes": {name: getattr(p, "ds_shape", p.shape) for name, p in frozen.items()} or None,
+            "frozen_param_fragments": {name: (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().clone()
+                                       for name, p in frozen.items()} or None,
+            "shared_params": shared_params(self.module),
+        }
+
+    def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
+        name = model_states_name(0, ctx.parallel.mp_rank)
+        shapes = load(name).get("param_shapes")
+        if not shapes:
+            raise ValueError(f"{name} has no 'param_shapes', so the ZeRO-3 partitions of {ctx.tag_dir} cannot be "
+                             f"cut for {ctx.parallel.dp_world_size} ranks; load it on {saved_world}")
+        return [{"names": list(group), "numels": [int(torch.Size(s).numel()) for s in group.values()]}
+                for group in shapes]

@@ -1,0 +1,304 @@
+"""``deepspeed.zero.Init``, ``GatheredParameters`` and external-parameter registration.
+
+``Init`` partitions parameters as the model is built: when a submodule is attached to its parent its
+constructor is finished, so its parameters (the same on every rank after a broadcast from rank 0) are
+partitioned right there, through torch's global module-registration hook; whatever is left (the top-level
+module's own parameters) is partitioned when the context exits. A model larger than one rank's memory can so
+be built one submodule at a time. Inside the context the default device is the rank's accelerator (as
+DeepSpeed's patched tensor constructors do), and, with ``override_module_apply``, ``Module.apply`` gathers each
+module's parameters around the function (rank 0's result is kept). Both are restored on exit, also on an
+exception and in nested contexts (only the outermost one installs and removes them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules import module as torch_module
+
+from ds_zero.zero3._collectives import broadcast_into_partitions, gather_now
+from ds_zero.zero3._param import PartitionSpace, ZeroParamStatus, convert_param, is_partitioned, release_one
+
+_LOCAL = threading.local()
+
+
+def _ensure_process_group() -> None:
+    """As DeepSpeed does: a launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR) starts the default group."""
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ \
+            and "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def _read_config(config_dict_or_path: Any, config: Any) -> dict[str, Any]:
+    source = config_dict_or_path if config_dict_or_path is not None else config
+    if source is None:
+        return {}
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, encoding="utf-8") as handle:
+                return json.load(handle)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"zero.Init: config_dict_or_path={str(source)!r} is not a readable JSON file: {exc}") \
+                from exc
+    if isinstance(source, dict):
+        return source
+    to_dict = getattr(source, "to_dict", None) or getattr(source, "config", None)
+    if callable(to_dict):
+        return to_dict()
+    if isinstance(to_dict, dict):
+        return to_dict
+    raise TypeError(f"zero.Init: config_dict_or_path must be a dict, a JSON path or a DeepSpeedConfig, got "
+                    f"{type(source).__name__}")
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled") in (True, "true", "auto")
+
+
+def _config_dtype(cfg: dict[str, Any], dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    fp16, bf16 = _enabled(cfg.get("fp16")), _enabled(cfg.get("bf16")) or _enabled(cfg.get("bfloat16"))
+    if fp16 and bf16:
+        raise ValueError("zero.Init: the config enables both fp16 and bf16; enable one")
+    if bf16:
+        return torch.bfloat16
+    if fp16:
+        return torch.float16
+    return torch.get_default_dtype()
+
+
+def _remote_device(cfg: dict[str, Any], remote_device: Any) -> str:
+    device = remote_device
+    if device is None:
+        offload = (cfg.get("zero_optimization") or {}).get("offload_param") or {}
+        device = offload.get("device") if isinstance(offload, dict) else None
+    device = str(getattr(device, "value", device) or "none").lower()
+    if device == "nvme":
+        raise ValueError("zero.Init: remote_device='nvme' (offload_param.device nvme, ZeRO-Infinity) is not available "
+                         "in this version; accepted: None/'none' (accelerator memory) or 'cpu'")
+    if device not in ("none", "cpu", "cuda"):
+        raise ValueError(f"zero.Init: remote_device={remote_device!r} is not a known device; accepted: None, 'cpu'")
+    return device
+
+
+class Init:
+    """Partition the parameters of every module built inside the context (or of ``module``, at once).
+
+    ``data_parallel_group`` (or ``mpu.get_data_parallel_group()``, or ``zero_param_parallel_group``): the ranks
+    that share the partitions (default: the world). ``remote_device="cpu"`` keeps partitions in CPU memory.
+    ``dtype``: the partitions' dtype (default: fp16/bf16 from the config, else the default dtype).
+    ``config_dict_or_path``/``config``: the DeepSpeed config (its ``zero_optimization`` and precision sections).
+    ``enabled=False`` makes the context do nothing.
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: Any = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, zero_param_parallel_group: Any = None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        for name, value in (("zero_quantized_weights", zero_quantized_weights),
+                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
+            if value:
+                raise ValueError(f"zero.Init: {name}=True (ZeRO++ qwZ) is not available in this version; "
+                                 "accepted: False")
+        if param_swapper is not None:
+            raise ValueError("zero.Init: param_swapper (NVMe parameter swapping) is not available in this version")
+        _ensure_process_group()
+        cfg = _read_config(config_dict_or_path, config)
+        zero = cfg.get("zero_optimization") or {}
+        self.override_module_apply = bool(zero.get("override_module_apply", True))
+        group = zero_param_parallel_group or data_parallel_group or sequence_data_parallel_group
+        if group is None and mpu is not None:
+            group = mpu.get_data_parallel_group()
+        self.dtype = _config_dtype(cfg, dtype)
+        compute = _compute_device()
+        where = _remote_device(cfg, remote_device)
+        self.space = PartitionSpace.of(group, torch.device("cpu") if where == "cpu" else compute, compute)
+        self.pin_memory = pin_memory
+        self.mem_efficient_linear = mem_efficient_linear
+        self._created: list[Any] = []
+        if module is not None:
+            self._partition_module(module)
+
+    # ---- partitioning ------------------------------------------------------------------------------------
+    def _partition_params(self, params: Iterable[torch.nn.Parameter]) -> None:
+        todo = [p for p in dict.fromkeys(params) if not is_partitioned(p)]
+        if not todo:
+            return
+        space = self.space
+        if space.world > 1:  # every rank starts from rank 0's initial values
+            src = dist.get_global_rank(space.group, 0) if space.group is not None else 0
+            with torch.no_grad():
+                for p in todo:
+                    space.comm.broadcast(p.data, src=src, group=space.group)
+        for p in todo:
+            if p.is_floating_point():
+                convert_param(p, space, self.dtype)
+            else:
+                convert_param(p, space)
+            if self.pin_memory and p.ds_tensor.device.type == "cpu" and torch.cuda.is_available():
+                p.ds_tensor = p.ds_tensor.pin_memory()
+
+    def _partition_module(self, module: torch.nn.Module) -> None:
+        self._partition_params(module.parameters())
+        for buffer in module.buffers():
+            if buffer.is_floating_point() and buffer.dtype != self.dtype:
+                buffer.data = buffer.data.to(self.dtype)
+
+    # ---- the context ---------------------------------------------------------------------------------------
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        stack = getattr(_LOCAL, "stack", None)
+        if stack is None:
+            stack = _LOCAL.stack = []
+        stack.append(self)
+        if len(stack) == 1:
+            self._install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        stack = _LOCAL.stack
+        stack.remove(self)
+        if not stack:
+            self._uninstall()
+        if exc[0] is None:
+            self._partition_params(p for p in self._created if p is not None)
+        self._created = []
+
+    def _install(self) -> None:
+        self._handles = [
+            torch_module.register_module_module_registration_hook(self._on_submodule),
+            torch_module.register_module_parameter_registration_hook(self._on_parameter),
+        ]
+        self._previous_device = torch.get_default_device()
+        if self.space.compute_device.type != "cpu":
+            torch.set_default_device(self.space.compute_device)
+        self._original_apply = torch.nn.Module.apply
+        if self.override_module_apply:
+            torch.nn.Module.apply = _gathered_apply
+
+    def _uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        torch.set_default_device(self._previous_device)
+        torch.nn.Module.apply = self._original_apply
+
+    def _current(self) -> Init:
+        return _LOCAL.stack[-1]
+
+    def _on_submodule(self, parent: torch.nn.Module, name: str, child: Any) -> None:
+        if isinstance(child, torch.nn.Module):
+            self._current()._partition_module(child)
+
+    def _on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None:
+            self._current()._created.append(param)
+
+
+def _gathered_apply(self: torch.nn.Module, fn: Any) -> torch.nn.Module:
+    """``Module.apply`` with every module's partitioned parameters gathered around ``fn`` (rank 0's values kept)."""
+    for child in self.children():
+        child.apply(fn)
+    params = [p for p in self.parameters(recurse=False) if is_partitioned(p)]
+    with GatheredParameters(params, modifier_rank=0):
+        fn(self)
+    return self
+
+
+# ---- gathering by hand ----------------------------------------------------------------------------------------
+def _as_params(params: Any) -> list[torch.nn.Parameter]:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p for p in params if isinstance(p, torch.Tensor)]
+
+
+class GatheredParameters:
+    """Gather partitioned parameters for the block; with ``modifier_rank``, that rank's values become every
+    rank's on exit (written into the partitions and, after ``deepspeed.initialize``, the fp32 masters).
+    Collective: every rank of the parameters' group must enter with the same parameters."""
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
+                 enabled: bool = True) -> None:
+        self.params = [p for p in _as_params(params) if is_partitioned(p)] if enabled else []
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        self.gathered: list[torch.nn.Parameter] = []
+
+    def __enter__(self) -> None:
+        if not self.params:
+            return
+        self.gathered = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        gather_now(self.params)
+        if self.fwd_module is not None:
+            for p in self.params:
+                register_external_parameter(self.fwd_module, p)
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.params:
+            return
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                broadcast_into_partitions(self.params, self.modifier_rank)
+                _refresh_masters(self.params)
+        finally:
+            for p in self.gathered:
+                if not p.ds_active_sub_modules:
+                    release_one(p)
+
+
+def _refresh_masters(params: list[torch.nn.Parameter]) -> None:
+    from ds_zero._registry import owner_of
+
+    for p in params:
+        owner = owner_of(p)
+        refresh = getattr(owner, "refresh_master", None)
+        if refresh is not None:
+            refresh(p)
+
+
+# ---- external parameters --------------------------------------------------------------------------------------
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Gather ``parameter`` with ``module`` (forward and backward): it is used by ``module`` but owned elsewhere."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter: parameter must be a torch.nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+    table = module.__dict__.setdefault("_external_params", {})
+    table[id(parameter)] = parameter
+    unit = getattr(module, "_z3_unit", None)
+    if unit is not None and all(parameter is not q for q in unit.all_params()):
+        unit.external.append(parameter)
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter`."""
+    table = module.__dict__.get("_external_params", {})
+    if id(parameter) not in table:
+        shape = tuple(getattr(parameter, "ds_shape", parameter.shape))
+        raise ValueError(f"unregister_external_parameter: this parameter (shape {shape}) is not registered as "
+                         f"external to {type(module).__name__}")
+    del table[id(parameter)]
+    unit = getattr(module, "_z3_unit", None)
+    if unit is not None:
+        unit.external = [q for q in unit.external if q is not parameter]

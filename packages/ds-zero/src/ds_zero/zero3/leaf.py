@@ -1,0 +1,72 @@
+"""ZeRO-3 leaf modules: a module whose whole subtree is gathered at once, as one unit, instead of submodule by
+submodule (MoE blocks whose experts run in a data-dependent order, or many tiny submodules)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_ATTR = "_z3_leaf"
+
+
+def _matches(module: torch.nn.Module, classes: tuple) -> bool:
+    for cls in classes:
+        if isinstance(cls, type) and isinstance(module, cls):
+            return True
+        if isinstance(cls, str):
+            kind = type(module)
+            if cls in (kind.__name__, f"{kind.__module__}.{kind.__qualname__}"):
+                return True
+    return False
+
+
+def _set(model: torch.nn.Module, leaf_module_classes: Any, flag: bool, raise_if_not_found: bool) -> list:
+    classes = tuple(leaf_module_classes) if isinstance(leaf_module_classes, (list, tuple, set)) \
+        else (leaf_module_classes,)
+    found = []
+    for module in model.modules():
+        if _matches(module, classes):
+            module.__dict__[_ATTR] = flag
+            found.append(module)
+    if not found and raise_if_not_found:
+        names = [c if isinstance(c, str) else c.__name__ for c in classes]
+        raise ValueError(f"no module of the classes {names} was found in {type(model).__name__}")
+    return found
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Any,
+                        raise_if_not_found: bool = True) -> list[torch.nn.Module]:
+    """Mark every module of ``leaf_module_classes`` (classes or class names) in ``model`` as a ZeRO-3 leaf."""
+    return _set(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Any,
+                          raise_if_not_found: bool = True) -> list[torch.nn.Module]:
+    return _set(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def z3_leaf_module(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, _ATTR, False))
+
+
+def z3_leaf_parameter(param: Any) -> bool:
+    return bool(getattr(param, "ds_z3_leaf_module", False))
+
+
+def leaf_rule(classes: Iterable[str] = (), names: Iterable[str] = (), name_suffixes: Iterable[str] = ()) -> Any:
+    """The config's ``leaf_module`` block as a predicate ``(qualified name, module) -> bool``: marked modules,
+    modules of the listed classes (bare or dotted names), listed ``named_modules()`` names, and names that end
+    with a listed suffix."""
+    classes, exact, suffixes = tuple(classes), set(names), tuple(name_suffixes)
+
+    def is_leaf(name: str, module: torch.nn.Module) -> bool:
+        if z3_leaf_module(module) or _matches(module, classes):
+            return True
+        return bool(name) and (name in exact or name.endswith(suffixes))
+    return is_leaf
