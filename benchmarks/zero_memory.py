@@ -41,9 +41,14 @@ import torch.multiprocessing as mp
 from _common import free_port
 from torch import nn
 
-VARIANTS = ("stage0", "stage1", "stage2", "offload")
+VARIANTS = ("stage0", "stage1", "stage2", "offload", "stage3")
+# stage 3 with every parameter partitioned, released right after use and no gathers ahead, so that between two
+# modules only partitions are held (the accounting then measures the partitions, not what the schedule keeps)
+STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+          "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 1_000_000}
 DTYPES = ("fp32", "bf16")
-ROLES = ("params", "grads", "gpart", "master", "optim", "buffers")
+ROLES = ("params", "grads", "gpart", "master", "optim", "live", "buffers")
+STATE_ROLES = ("params", "grads", "gpart", "master", "optim")
 MB = 1 << 20
 
 
@@ -54,10 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, from {DTYPES}")
     parser.add_argument("--width", type=int, default=1024, help="MLP width")
     parser.add_argument("--layers", type=int, default=8, help="MLP hidden layers (Linear(width, width) each)")
+    parser.add_argument("--init_width", type=int, default=2048,
+                        help="Linear width of the zero.Init build comparison (stage 3; 0: skip it)")
     parser.add_argument("--quick", action="store_true", help="N = 1, 2; width 512")
     args = parser.parse_args(argv)
     if args.quick:
-        args.world_sizes, args.width = "1,2", 512
+        args.world_sizes, args.width, args.init_width = "1,2", 512, min(args.init_width, 1024)
     try:
         args.world_sizes = [int(n) for n in args.world_sizes.split(",") if n.strip()]
     except ValueError:
@@ -78,11 +85,13 @@ def theory_bytes(variant: str, dtype: str, psi: int, n: int) -> float:
     lp = 2 if dtype == "bf16" else 4
     if variant == "stage0":
         return 16.0 * psi
+    if variant == "stage3":  # weights + gradients in the training dtype, fp32 master + Adam, all partitioned
+        return (lp + lp + 12) * psi / n
     return shared_accounting().theoretical_bytes(1 if variant == "stage1" else 2, psi, n, lp)
 
 
 def ds_config(variant: str, dtype: str) -> dict:
-    zero: dict = {"stage": {"stage0": 0, "stage1": 1}.get(variant, 2)}
+    zero: dict = dict(STAGE3) if variant == "stage3" else {"stage": {"stage0": 0, "stage1": 1}.get(variant, 2)}
     if variant == "offload":
         zero["offload_optimizer"] = {"device": "cpu"}
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
@@ -130,16 +139,35 @@ def account_stage0(engine) -> dict[str, int]:
             "gpart": 0,
             "params": _bytes_once(module_params, seen),
             "grads": _bytes_once([p.grad for p in module_params + masters if p.grad is not None], seen),
-            "buffers": _bytes_once([b.flat for b in getattr(engine.reducer, "buckets", [])], seen)}
+            "live": 0, "buffers": _bytes_once([b.flat for b in getattr(engine.reducer, "buckets", [])], seen)}
+
+
+def account_stage3(engine) -> dict[str, int]:
+    """Stage 3: the flat partitions of the weights (``lp_flat``; every ``ds_tensor`` is a view into it), whole
+    values held now (``live``: gathered or persistent parameters), the gradient partitions, the fp32 masters,
+    Adam's states, and the reduce-scatter buckets allocated now."""
+    wrapper = engine.optimizer
+    seen: set[tuple[str, int]] = set()
+    groups = wrapper.groups
+    return {"params": _bytes_once([g.lp_flat for g in groups], seen),
+            "live": _bytes_once([p.data for p in engine.module.parameters() if p.data.numel()], seen),
+            "grads": _bytes_once([p.grad for p in engine.module.parameters() if p.grad is not None], seen),
+            "gpart": _bytes_once([g.grad for g in groups], seen),
+            "master": _bytes_once([g.master for g in groups], seen),
+            "optim": _bytes_once([t for st in wrapper.optimizer.state.values() for t in st.values()
+                                  if isinstance(t, torch.Tensor)], seen),
+            "buffers": _bytes_once(engine.reducer.buffers(), seen)}
 
 
 def account(engine) -> dict[str, int]:
     """Bytes per role held by this rank now, each storage counted once."""
+    if engine.zero_optimization_stage() == 3:
+        return account_stage3(engine)
     if not hasattr(engine.optimizer, "groups"):
         return account_stage0(engine)
     m = shared_accounting().account(engine.optimizer)
     return {"master": m.master, "optim": m.optimizer_state, "gpart": m.grad_partitions, "params": m.lp_params,
-            "grads": m.full_grads, "buffers": m.buckets}
+            "grads": m.full_grads, "live": 0, "buffers": m.buckets}
 
 
 def _status_kb(field: str) -> int:
@@ -165,6 +193,26 @@ def _mlp(width: int, layers: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
+class _PassSampler:
+    """Stage 3: the largest accounted transient (whole parameter values held, full ``.grad`` tensors, reducer
+    buckets) seen at every module's forward (after its gather) and at every gradient the reducer receives."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.max_bytes, self.on = engine, 0, False
+        self.handles = [m.register_forward_pre_hook(lambda *_: self.sample()) for m in engine.module.modules()]
+        reducer, inner = engine.reducer, engine.reducer.grad_ready
+
+        def grad_ready(param):
+            self.sample()
+            return inner(param)
+        reducer.grad_ready = grad_ready  # the engine looks it up on the instance
+
+    def sample(self) -> None:
+        if self.on:
+            held = account_stage3(self.engine)
+            self.max_bytes = max(self.max_bytes, held["live"] + held["grads"] + held["buffers"])
+
+
 def _rank_main(rank: int, world: int, variant: str, dtype: str, args: argparse.Namespace, port: int,
                queue) -> None:
     import deepspeed
@@ -179,24 +227,27 @@ def _rank_main(rank: int, world: int, variant: str, dtype: str, args: argparse.N
     del warm
     gc.collect()
     model = _mlp(args.width, args.layers)
+    psi = sum(p.numel() for p in model.parameters())
     reset = _reset_peak_rss()
     rss_before = _status_kb("VmRSS")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(variant, dtype))
-    x = torch.randn(4, args.width).to(next(engine.module.parameters()).dtype)
+    sampler = _PassSampler(engine) if variant == "stage3" else None
+    x = torch.randn(4, args.width).to(engine.module[0].weight.dtype)
     for step in range(2):
+        if sampler is not None:
+            sampler.on = step == 1
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         if step == 1:  # after one full step and the next backward: every role is live
             held = account(engine)
         engine.step()
     peak = _status_kb("VmHWM")
-    psi = sum(p.numel() for p in engine.module.parameters())
     engine.destroy()
     del engine
     gc.collect()
     row = {"rank": rank, "held": held, "rss_before_kb": rss_before, "peak_kb": peak, "peak_reset": reset,
-           "params": psi}
+           "params": psi, "pass_max": sampler.max_bytes if sampler is not None else None}
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -205,12 +256,66 @@ def _rank_main(rank: int, world: int, variant: str, dtype: str, args: argparse.N
     dist.destroy_process_group()  # joins the gloo threads (see _common on why nothing else holds the group)
 
 
+class _LayerStack(nn.Module):
+    """``layers`` x Linear(width) attached one at a time (as a transformer's blocks are), so that ``zero.Init``
+    partitions each layer as soon as it exists."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            self.layers.append(nn.Linear(width, width))
+
+
+def _init_rank_main(rank: int, world: int, use_init: bool, args: argparse.Namespace, port: int, queue) -> None:
+    """Build ``_LayerStack`` with or without ``zero.Init``: peak RSS growth of the build and the bytes the
+    model's parameters hold after it (partitions under Init, whole values without)."""
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": dict(STAGE3)}
+    with deepspeed.zero.Init(config_dict_or_path=config):  # warm-up: imports and hooks out of the peak
+        _LayerStack(8, 1)
+    gc.collect()
+    torch.manual_seed(0)
+    reset = _reset_peak_rss()
+    rss_before = _status_kb("VmRSS")
+    if use_init:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = _LayerStack(args.init_width, args.layers)
+    else:
+        model = _LayerStack(args.init_width, args.layers)
+    peak = _status_kb("VmHWM")
+    seen: set[tuple[str, int]] = set()
+    tensors = [getattr(p, "ds_tensor", p.data) for p in model.parameters()]
+    row = {"held": _bytes_once(tensors, seen), "whole": _bytes_once([p.data for p in model.parameters()], set()),
+           "psi": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+           "growth_kb": peak - rss_before, "peak_kb": peak, "peak_reset": reset}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def measure(world: int, variant: str, dtype: str, args: argparse.Namespace) -> list[dict]:
     """One fresh launch; every rank's accounting and RSS figures."""
+    return _launch(_rank_main, world, (world, variant, dtype, args))
+
+
+def measure_init(world: int, use_init: bool, args: argparse.Namespace) -> list[dict]:
+    """One fresh launch building the model with or without ``zero.Init``."""
+    return _launch(_init_rank_main, world, (world, use_init, args))
+
+
+def _launch(fn, world: int, args: tuple) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(world, variant, dtype, args, free_port(), queue), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(fn, args=(*args, free_port(), queue), nprocs=world, join=True, start_method="spawn")
     return queue.get()
 
 
@@ -219,14 +324,35 @@ def format_row(variant: str, dtype: str, world: int, rows: list[dict]) -> str:
     """Rank 0's accounting (the largest rank's, to cover uneven padding) against the theory, max peak RSS."""
     top = max(rows, key=lambda r: sum(r["held"].values()))
     held, psi = top["held"], top["params"]
-    states = sum(held[r] for r in ROLES if r != "buffers")
+    states = sum(held[r] for r in STATE_ROLES)
     theory = theory_bytes(variant, dtype, psi, world)
     host = held["master"] + held["optim"] if variant == "offload" else 0
     growth = max(r["peak_kb"] - r["rss_before_kb"] for r in rows) * 1024
     peak = max(r["peak_kb"] for r in rows) * 1024
     cells = "".join(f" {held[r] / MB:>8.1f}" for r in ROLES)
-    return (f"{variant:<8} {dtype:<5} {world:>2}{cells} {states / MB:>8.1f} {theory / MB:>8.1f} "
-            f"{states / theory:>6.3f} {host / MB:>7.1f} {growth / MB:>8.1f} {peak / MB:>8.1f}")
+    pass_max = max((r["pass_max"] for r in rows if r.get("pass_max") is not None), default=None)
+    pass_cell = f"{pass_max / MB:>8.1f}" if pass_max is not None else f"{'-':>8}"
+    line = (f"{variant:<8} {dtype:<5} {world:>2}{cells} {states / MB:>8.1f} {theory / MB:>8.1f} "
+            f"{states / theory:>6.3f} {host / MB:>7.1f} {growth / MB:>8.1f} {peak / MB:>8.1f} {pass_cell}")
+    if variant == "stage3":  # the 16 Psi/N of the brief: fp32 has no master copy in that accounting
+        sixteen = states - (held["master"] if dtype == "fp32" else 0)
+        line += f"  | 16Psi/N {16 * psi / world / MB:.1f}: {sixteen / MB:.1f} ({sixteen / (16 * psi / world):.3f})"
+    return line
+
+
+def format_init(world: int, rows_plain: list[dict], rows_init: list[dict], args: argparse.Namespace) -> list[str]:
+    psi = rows_plain[0]["psi"]
+    lines = [f"building {args.layers} x Linear({args.init_width}) ({psi / 1e6:.2f} M parameters, "
+             f"{4 * psi / MB:.1f} MiB fp32) on {world} ranks, attached one layer at a time (MiB per rank, max over "
+             "ranks):", f"{'build':<16} {'held':>8} {'whole':>8} {'peak+':>8} {'peak RSS':>8} {'peak+/full':>10}"]
+    for name, rows in (("plain", rows_plain), ("zero.Init", rows_init)):
+        held = max(r["held"] for r in rows)
+        whole = max(r["whole"] for r in rows)
+        growth = max(r["growth_kb"] for r in rows) * 1024
+        peak = max(r["peak_kb"] for r in rows) * 1024
+        lines.append(f"{name:<16} {held / MB:>8.1f} {whole / MB:>8.1f} {growth / MB:>8.1f} {peak / MB:>8.1f} "
+                     f"{growth / (4 * psi):>10.3f}")
+    return lines
 
 
 def header(args: argparse.Namespace, psi: int | None) -> list[str]:
@@ -236,14 +362,20 @@ def header(args: argparse.Namespace, psi: int | None) -> list[str]:
             f"machine: {os.cpu_count()} cores, torch {torch.__version__}, python {platform.python_version()}, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, load (1 min) {load:.2f}", "",
             f"{'variant':<8} {'dtype':<5} {'N':>2}" + "".join(f" {r:>8}" for r in ROLES)
-            + f" {'states':>8} {'theory':>8} {'ratio':>6} {'host':>7} {'peak+':>8} {'peak RSS':>8}"]
+            + f" {'states':>8} {'theory':>8} {'ratio':>6} {'host':>7} {'peak+':>8} {'peak RSS':>8} {'pass max':>8}"]
 
 
 FOOTER = ["", "MiB per rank (largest rank). states = params + grads + gpart + master + optim (accounted); theory: the",
           "16 Psi/N formulas (module docstring); ratio = states / theory (stage 1 > 1: its transient fp32 gradient",
           "partition, gpart). buffers: reducer buffers, not in states. host: master + Adam states that offload keeps",
           "in host memory. peak+: measured peak RSS growth during initialize + 2 steps over the RSS with the model",
-          "built (max over ranks); peak RSS: absolute (max over ranks)."]
+          "built (max over ranks); peak RSS: absolute (max over ranks).",
+          "stage 3: params = the weight partitions (lp_flat), gpart = gradient partitions; live = whole values held",
+          "at the accounting point (persistent or still gathered; none with the config below) and buffers = the",
+          "reduce-scatter buckets allocated then, both outside states; pass max = the largest live + full .grad +",
+          "buckets accounted at any module's forward or gradient arrival of the second step (tensor accounting).",
+          f"stage 3 config: {STAGE3}. 16Psi/N: params + gradients + Adam states (fp32: 4 + 4 + 8, the fp32 master",
+          "copy left out; bf16: 2 + 2 + 12 with the master) against 16 Psi / N bytes."]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -259,6 +391,13 @@ def main(argv: list[str] | None = None) -> None:
                     print("(peak RSS could not be reset: peak+ includes start-up)", file=sys.stderr)
                 print(format_row(variant, dtype, world, rows), flush=True)
     print("\n".join(FOOTER))
+    if "stage3" in args.variants and args.init_width > 0:
+        world = max(2, min(args.world_sizes))
+        plain, init = measure_init(world, False, args), measure_init(world, True, args)
+        print("\n".join(["", *format_init(world, plain, init, args),
+                         "held: bytes the parameters hold after the build (partitions under Init; tensor accounting); "
+                         "whole: their param.data; peak+: peak RSS growth during the build (VmHWM reset before it); "
+                         "peak+/full: over the whole fp32 model's bytes."]))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,24 @@ rotating order so no variant always runs first. Models: a small MLP and a tiny G
 * ``stage2+overlap``: stage 2 with ``overlap_comm`` and ``reduce_bucket_size`` ``--bucket`` elements;
 * ``stage2+bcast`` (not in the default list): stage 2 with ``allgather_partitions: false`` (the updated
   partitions travel by one broadcast per owner instead of the point-to-point gather);
-* ``offload``: stage 2 with ``offload_optimizer.device = cpu`` (the optimizer is ``DeepSpeedCPUAdam``).
+* ``offload``: stage 2 with ``offload_optimizer.device = cpu`` (the optimizer is ``DeepSpeedCPUAdam``);
+* ``stage3``: ZeRO stage 3, every option at its default (``stage3_param_persistence_threshold`` 1e5 elements:
+  parameters at or under it stay gathered for the run, the rest are gathered by each module's hooks before it
+  runs and released after; with the default ``stage3_max_reuse_distance`` (1e9) and ``prefetch_bucket_size``);
+* ``stage3_partitioned``: stage 3 with ``stage3_param_persistence_threshold: 0``: every parameter is gathered
+  per module, released, and its gradient reduce-scattered into the partitions;
+* ``stage3+offload``: stage 3 with ``offload_optimizer`` and ``offload_param`` on the CPU.
 
 Reported per model: median step time (ms) and global samples/s, the ratio of every ZeRO stage's step time to
 stage 0's and stage 0's throughput to DDP's (ratios of medians and medians of per-repetition ratios, which
 cancel load that drifts over the run). After the timed repetitions a profiled pass (``--profile_steps``)
 wraps the phases with ``perf_counter`` (forward; backward, of which the reducer's per-gradient hooks and its
 final ``finish``; step, of which the basic optimizer's ``step`` kernel, the global-norm all-reduce and the
-gather of updated partitions) and prints their ms per step, which gives the CPU Adam kernel's share of the
-offload step; ``--collectives`` adds gloo's ways of reducing and gathering a buffer of the MLP's size.
-Targets (issue 7): stages 1 and 2 <= 1.2x stage 0's step time; stage 0 >= 0.95x DDP.
+gather of updated partitions; stage 3: the scheduler's fetches (gathers included) and releases, of which the
+gathers themselves, and the step's re-gather of persistent parameters) and prints their ms per step, which
+gives the CPU Adam kernel's share of the offload step; ``--collectives`` adds gloo's ways of reducing and gathering a buffer of the MLP's size.
+Targets (issue 7): stages 1 and 2 <= 1.2x stage 0's step time; stage 0 >= 0.95x DDP; stage 3 <= 1.6x stage 0
+(DeepSpeed 0.19.8 on the development machine: 2.6x GPT-2, 4.0x MLP).
 Run: ``python benchmarks/zero_step.py`` (``--quick`` for a short run, ``--help`` for sizes).
 """
 
@@ -46,9 +54,13 @@ OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 ZERO = {"stage0": {"stage": 0}, "stage1": {"stage": 1}, "stage2": {"stage": 2},
         "stage2+overlap": {"stage": 2, "overlap_comm": True},
         "stage2+bcast": {"stage": 2, "allgather_partitions": False},
-        "offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        "offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "stage3": {"stage": 3},
+        "stage3_partitioned": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "stage3+offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
 VARIANTS = ("ddp", *ZERO)
-DEFAULT_VARIANTS = ("ddp", "stage0", "stage1", "stage2", "stage2+overlap", "offload")
+DEFAULT_VARIANTS = ("ddp", "stage0", "stage1", "stage2", "stage2+overlap", "offload", "stage3", "stage3_partitioned",
+                    "stage3+offload")
 MODELS = ("mlp", "gpt2")
 GPT2_VOCAB = 8192
 
@@ -213,9 +225,15 @@ class EngineStep:
         reducer.grad_ready = _timed(reducer.grad_ready, acc, "backward.hooks")
         reducer.finish = _timed(reducer.finish, acc, "backward.finish")
         self.basic.step = _timed(self.basic.step, acc, "step.optimizer")
-        for attr, key in (("all_gather_params", "step.gather"), ("_global_norm", "step.norm")):
+        for attr, key in (("all_gather_params", "step.gather"), ("_global_norm", "step.norm"),
+                          ("partitions_changed", "step.gather")):
             if hasattr(self.wrapper, attr):
                 setattr(self.wrapper, attr, _timed(getattr(self.wrapper, attr), acc, key))
+        scheduler = getattr(self.engine, "zero3_scheduler", None)
+        if scheduler is not None:  # ZeRO-3: the hooks look these up on the instance at every call
+            scheduler.fetch = _timed(scheduler.fetch, acc, "z3.fetch")
+            scheduler.release = _timed(scheduler.release, acc, "z3.release")
+            scheduler._wait_or_gather = _timed(scheduler._wait_or_gather, acc, "z3.gather")
         return acc
 
     def __call__(self, batch) -> None:
@@ -369,7 +387,7 @@ def timing_table(model: str, res: dict, args: argparse.Namespace) -> list[str]:
 
 
 PHASE_COLUMNS = ("forward", "backward", "backward.hooks", "backward.finish", "step", "step.optimizer", "step.norm",
-                 "step.gather")
+                 "step.gather", "z3.fetch", "z3.gather", "z3.release")
 
 
 def phase_table(phases: dict[str, dict[str, float]]) -> list[str]:
@@ -377,10 +395,13 @@ def phase_table(phases: dict[str, dict[str, float]]) -> list[str]:
     if not phases:
         return []
     short = {"backward.hooks": "bwd.hooks", "backward.finish": "bwd.finish", "step.optimizer": "opt.step",
-             "step.norm": "norm", "step.gather": "gather"}
+             "step.norm": "norm", "step.gather": "gather", "z3.fetch": "z3.fetch", "z3.gather": "z3.gather",
+             "z3.release": "z3.release"}
     head = f"{'variant':<15}" + "".join(f" {short.get(c, c):>10}" for c in PHASE_COLUMNS) + f" {'total':>8}"
     lines = ["profiled pass, ms per step (bwd.hooks/bwd.finish are inside backward; opt.step/norm/gather inside "
-             "step):", head + f" {'kernel %':>8}"]
+             "step; stage 3: gather = the step's release + re-gather of persistent parameters, z3.fetch (of which "
+             "z3.gather: waiting for / running the gathers) and z3.release inside forward + backward):",
+             head + f" {'kernel %':>8}"]
     for v, ph in phases.items():
         total = ph.get("forward", 0) + ph.get("backward", 0) + ph.get("step", 0)
         cells = "".join(f" {ph[c]:>10.2f}" if c in ph else f" {'-':>10}" for c in PHASE_COLUMNS)
@@ -391,7 +412,7 @@ def phase_table(phases: dict[str, dict[str, float]]) -> list[str]:
 
 def report(args: argparse.Namespace, results: dict) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    lines = [f"ZeRO step time: stages 0/1/2/2+offload vs torch DDP, {args.world_size} gloo ranks, CPU, fp32",
+    lines = [f"ZeRO step time: stages 0/1/2/2+offload/3 vs torch DDP, {args.world_size} gloo ranks, CPU, fp32",
              f"machine: {os.cpu_count()} cores ({cpu_model()}), torch {torch.__version__}, python "
              f"{platform.python_version()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"load average (1 min) at the end {load:.2f}",
@@ -410,7 +431,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
     lines += ["ms/step, samples/s: medians over reps (wall clock, rank 0; samples/s global). /stage0: step time over",
               "stage 0's (lower is faster); paired: median of per-rep ratios to the adjacent run; CPU: process CPU",
               "time. stage0/ddp: stage 0 throughput over DDP's. Targets: stages 1, 2 <= 1.2x stage 0; stage 0 >= "
-              "0.95x ddp."]
+              "0.95x ddp; stage 3 <= 1.6x stage 0."]
     return "\n".join(lines)
 
 

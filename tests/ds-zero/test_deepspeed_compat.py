@@ -27,7 +27,7 @@ from _harness import run_distributed
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed_0_19_8")
 REAL_PY = "/tmp/realds/venv/bin/python"
 CASES = ["stage1_fp32", "stage2_fp32", "stage1_bf16", "stage2_bf16"]
-STAGE3_CASES = ["stage3_fp32", "stage3_bf16"]  # read by zero_to_fp32 only (our engine's stage-3 load: not here)
+STAGE3_CASES = ["stage3_fp32", "stage3_bf16"]
 
 
 def _fixture_module():
@@ -360,7 +360,7 @@ def _load_and_continue(load_dir: str, case: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     stage, dtype = mf.CASES[case]
     torch.manual_seed(1)  # not the checkpoint's weights: a load that does nothing shows
-    engine = deepspeed.initialize(model=mf.Net(), config=mf.config(stage, dtype))[0]
+    engine = deepspeed.initialize(model=mf.Net(), config=mf.config(stage, dtype, mf.ZERO_EXTRA.get(case)))[0]
     try:
         path, _ = engine.load_checkpoint(load_dir)
     except _SYMMETRIC_ERRORS as exc:
@@ -371,7 +371,7 @@ def _load_and_continue(load_dir: str, case: str) -> dict:
     base = engine.optimizer.optimizer
     out["adam_step"] = [float(base.state[p]["step"]) for g in base.param_groups for p in g["params"]]
     out["loss"] = mf.train_step(engine, engine.global_steps, rank, world)
-    out["after"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    out["after"] = _module_state(engine)
     return out
 
 
@@ -455,12 +455,32 @@ def test_engine_loads_real_deepspeed_checkpoint_on_one_rank():
     assert_close(got["fp32"], {k: want["zero_to_fp32"][k] for k in got["fp32"]}, 0.0, "fp32 master")
 
 
+def _module_state(engine) -> dict:
+    """The module's whole weights and buffers by state_dict name (ZeRO-3 parameters gathered for the read)."""
+    import deepspeed
+
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+        return {k: v.detach().clone() for k, v in named}
+
+
+@pytest.mark.parametrize("case", STAGE3_CASES)
+def test_engine_loads_real_deepspeed_stage3_checkpoint_as_written(case):
+    """Per-rank model-states files, pickled classes, the bf16_ prefix, one flat fp32 group per rank with
+    per-parameter padding: our ZeRO-3 engine resumes where DeepSpeed left off."""
+    results = run_distributed(_load_and_continue, world_size=2, args=(os.path.join(FIXTURES, case), case),
+                              timeout=60)
+    _check_no_error(results)
+    for got in results:
+        _check_loaded(got, case)
+
+
 # ---- our files through DeepSpeed's zero_to_fp32 ----------------------------------------------------------------
 def _full_state(engine) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    out: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {},
-                 "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
+    out: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": _module_state(engine)}
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
             out["fp32"][name] = safe_get_full_fp32_param(p).detach().float()

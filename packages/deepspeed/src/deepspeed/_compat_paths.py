@@ -43,5 +43,6 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.partition_parameters": "ds_zero.partition_parameters",
     "deepspeed.runtime.zero.offload_states": "ds_zero.offload_states",
     "deepspeed.runtime.zero.utils": "ds_zero.utils",
+    "deepspeed.runtime.zero.tiling": "ds_zero.zero3.tiled_linear",
     "deepspeed.utils.zero_to_fp32": "ds_zero.zero_to_fp32",
 }

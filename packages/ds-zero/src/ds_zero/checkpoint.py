@@ -103,6 +103,9 @@ class ZeroCheckpointShards:
     def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
         if ctx.load_module_only or not ctx.load_optimizer_states:
             return
+        self._load_optimizer_files(ctx, load)
+
+    def _load_optimizer_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
         mp_rank, rank = ctx.parallel.mp_rank, ctx.parallel.dp_rank
         prefix = self._saved_prefix(ctx, mp_rank)
         # this rank's own file when it exists (the usual, same-world case reads nothing else), else rank 0's

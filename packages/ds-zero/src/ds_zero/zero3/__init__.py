@@ -13,10 +13,13 @@
 from ds_zero.zero3._param import ZeroParamStatus, is_partitioned
 from ds_zero.zero3.init import GatheredParameters, Init, register_external_parameter, unregister_external_parameter
 from ds_zero.zero3.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from ds_zero.zero3.tiled_linear import TiledLinear, TiledLinearReturnBias
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "ZeroParamStatus",
     "get_z3_leaf_modules",
     "is_partitioned",

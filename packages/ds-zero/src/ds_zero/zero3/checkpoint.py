@@ -98,7 +98,8 @@ def _same_layout(opt: Any, states: Sequence[dict[str, Any]]) -> bool:
 def load_stage3_state(opt: Any, states: Sequence[dict[str, Any]]) -> None:
     _check(opt, states)
     first = states[0]
-    if opt.loss_scaler is not None and first.get("loss_scaler"):
+    with_state = getattr(opt, "restore_optimizer_state", True)  # False: the weights alone (load_module_only)
+    if with_state and opt.loss_scaler is not None and first.get("loss_scaler"):
         opt.loss_scaler.load_state_dict({**opt.loss_scaler.state_dict(), **first["loss_scaler"]})
     if _same_layout(opt, states):
         masters = [m.reshape(-1) for m in first[FP32_GROUPS]]
@@ -109,14 +110,25 @@ def load_stage3_state(opt: Any, states: Sequence[dict[str, Any]]) -> None:
         base = first[BASE_STATE]
     else:
         masters, base = _repartition(opt, states)
-    _load_in_place(opt.optimizer, base)
+    if with_state:
+        _load_in_place(opt.optimizer, base)
     with torch.no_grad():
         for group, master in zip(opt.groups, masters, strict=True):
             if opt.settings.load_from_fp32_weights:
                 group.master.data.copy_(master)
+                _zero_padding(group)  # DeepSpeed leaves its padding slots uninitialised
                 group.copy_master_to_lp()
-            else:
+            else:  # as DeepSpeed: the model's current 16-bit weights (loaded some other way) become the masters
                 group.sync_master_from_lp()
+
+
+def _zero_padding(group: Any) -> None:
+    flat = group.master.data
+    for p, offset in zip(group.params, group.offsets, strict=True):
+        part = p.ds_tensor.numel()
+        valid = max(0, min(part, p.ds_numel - p.ds_space.rank * part))
+        if valid < part:
+            flat[offset + valid:offset + part] = 0
 
 
 def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ds_zero.checkpoint import ZeroCheckpointShards, shared_params
+from ds_zero.zero3._param import write_partition_from_full
 
 
 def model_states_name(dp_rank: int, mp_rank: int = 0) -> str:
@@ -43,6 +44,51 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
                                        for name, p in frozen.items()} or None,
             "shared_params": shared_params(self.module),
         }
+
+    def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """The weights live only in these files at stage 3 (the model-states file holds empty tensors), so they
+        are restored whatever the load options; the optimizer states only when asked."""
+        self._check_shapes(ctx, load)
+        self._load_frozen(ctx, load)
+        self.optimizer.restore_optimizer_state = not (ctx.load_module_only or not ctx.load_optimizer_states)
+        try:
+            self._load_optimizer_files(ctx, load)
+        finally:
+            self.optimizer.restore_optimizer_state = True
+
+    def _check_shapes(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """Before anything is changed: every saved parameter shape must be the model's (names the first that is
+        not), so a checkpoint of another model loads nothing."""
+        saved = load(self.model_states_name(0, ctx.parallel.mp_rank))
+        shapes: dict[str, Any] = {}
+        for group in saved.get("param_shapes") or []:
+            shapes.update(group)
+        shapes.update(saved.get("frozen_param_shapes") or {})
+        for name, p in self.module.named_parameters():
+            if name in shapes and tuple(shapes[name]) != tuple(getattr(p, "ds_shape", p.shape)):
+                raise ValueError(f"{ctx.tag_dir}: parameter {name!r} has shape {tuple(shapes[name])} in the checkpoint "
+                                 f"and {tuple(getattr(p, 'ds_shape', p.shape))} in the model; nothing was loaded "
+                                 "(a checkpoint of another model?)")
+
+    def _load_frozen(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """Frozen parameters: every saved rank's ``frozen_param_fragments``, put together and cut for this rank."""
+        frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad and hasattr(p, "ds_id")}
+        if not frozen:
+            return
+        own = load(self.model_states_name(0, ctx.parallel.mp_rank))
+        saved_world = int(own.get("dp_world_size") or 1)
+        states = [own] + [load(self.model_states_name(r, ctx.parallel.mp_rank)) for r in range(1, saved_world)]
+        for name, param in frozen.items():
+            pieces = [(sd.get("frozen_param_fragments") or {}).get(name) for sd in states]
+            if any(piece is None for piece in pieces):
+                raise ValueError(f"{ctx.tag_dir}: frozen parameter {name!r} has no 'frozen_param_fragments' entry in "
+                                 "every rank's model-states file; the checkpoint does not hold its weights")
+            whole = torch.cat([piece.reshape(-1) for piece in pieces])[:param.ds_numel]
+            if whole.numel() != param.ds_numel:
+                raise ValueError(f"{ctx.tag_dir}: frozen parameter {name!r} has {whole.numel()} elements in the "
+                                 f"checkpoint and {param.ds_numel} (shape {tuple(param.ds_shape)}) in the model")
+            write_partition_from_full(param, whole.to(param.ds_tensor.dtype))
+        self.optimizer.partitions_changed()
 
     def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
         name = model_states_name(0, ctx.parallel.mp_rank)

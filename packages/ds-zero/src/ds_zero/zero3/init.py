@@ -8,6 +8,12 @@ be built one submodule at a time. Inside the context the default device is the r
 DeepSpeed's patched tensor constructors do), and, with ``override_module_apply``, ``Module.apply`` gathers each
 module's parameters around the function (rank 0's result is kept). Both are restored on exit, also on an
 exception and in nested contexts (only the outermost one installs and removes them).
+
+Tensor constructors (``torch.tensor/empty/zeros/ones/full/arange``) are wrapped as in DeepSpeed while the
+context is active: a tensor built without a ``device`` goes to the partitions' compute device and floating
+tensors take the partition dtype. The wrapper is looked up on ``deepspeed.runtime.zero.partition_parameters``
+(``zero_wrapper_for_fp_tensor_constructor``) when the context is entered, because clients replace it there:
+Transformers' ``prevent_arange_dtype_change`` keeps ``torch.arange``'s dtype (RoPE tables) that way.
 """
 
 from __future__ import annotations
@@ -26,6 +32,33 @@ from ds_zero.zero3._collectives import broadcast_into_partitions, gather_now
 from ds_zero.zero3._param import PartitionSpace, ZeroParamStatus, convert_param, is_partitioned, release_one
 
 _LOCAL = threading.local()
+
+# the constructors zero.Init wraps, kept unwrapped (DeepSpeed's names: clients compare against _orig_torch_arange)
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+_CONSTRUCTORS = {"tensor": _orig_torch_tensor, "empty": _orig_torch_empty, "zeros": _orig_torch_zeros,
+                 "ones": _orig_torch_ones, "full": _orig_torch_full, "arange": _orig_torch_arange}
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype,
+                                           target_device: torch.device | None = None) -> Any:
+    """DeepSpeed's constructor wrapper: ``fn`` with ``device`` defaulting to ``target_device`` (the rank's
+    accelerator, or the CPU) and floating results cast to ``target_fp_dtype``."""
+    device = target_device if target_device is not None else _compute_device()
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None:
+            kwargs["device"] = device
+        tensor = fn(*args, **kwargs)
+        if tensor.is_floating_point() and tensor.dtype != target_fp_dtype:
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
 
 
 def _ensure_process_group() -> None:
@@ -196,12 +229,20 @@ class Init:
         self._original_apply = torch.nn.Module.apply
         if self.override_module_apply:
             torch.nn.Module.apply = _gathered_apply
+        # looked up where clients replace it (the documented module path), at each outermost entry
+        from ds_zero import partition_parameters
+
+        wrap = partition_parameters.zero_wrapper_for_fp_tensor_constructor
+        for name, fn in _CONSTRUCTORS.items():
+            setattr(torch, name, wrap(fn, self.dtype, target_device=self.space.compute_device))
 
     def _uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         torch.set_default_device(self._previous_device)
         torch.nn.Module.apply = self._original_apply
+        for name, fn in _CONSTRUCTORS.items():
+            setattr(torch, name, fn)
 
     def _current(self) -> Init:
         return _LOCAL.stack[-1]
