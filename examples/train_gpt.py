@@ -4,10 +4,11 @@ Run (two CPU ranks; on a CPU machine ``--num_gpus`` is the number of local proce
 
     deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed --deepspeed_config examples/gpt_ds_config.json
 
-Quick check (what tests/deepspeed/test_main_job.py runs): add ``--steps 10 --log_interval 1``.
+Quick check (what tests/deepspeed/test_main_job.py runs): add ``--steps 10 --log_interval 1``. ZeRO stage 3
+(partitioned weights) instead of the config's stage 2: add ``--zero_stage 3``.
 
-Uses only the documented DeepSpeed API: ``deepspeed.add_config_arguments``, ``deepspeed.initialize(args=...,
-model=..., model_parameters=..., training_data=...)``, ``engine(batch)``, ``engine.backward(loss)``,
+Uses only the documented DeepSpeed API: ``deepspeed.add_config_arguments``, ``deepspeed.initialize(model=...,
+model_parameters=..., training_data=..., config=...)``, ``engine(batch)``, ``engine.backward(loss)``,
 ``engine.step()``. Rank 0 draws a progress bar, prints the loss every ``--log_interval`` steps and a closing
 summary (loss first -> last, held-out loss, samples/s, peak memory per rank, a generated sample).
 """
@@ -15,6 +16,7 @@ summary (loss first -> last, held-out loss, samples/s, peak memory per rank, a g
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -45,12 +47,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n_layer", type=int, default=4, help="transformer blocks")
     parser.add_argument("--n_head", type=int, default=4, help="attention heads per block")
     parser.add_argument("--d_model", type=int, default=128, help="model width")
+    parser.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
+                        help="override zero_optimization.stage of the --deepspeed_config file (3: partitioned weights)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
     for name in ("steps", "log_interval", "num_samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     return args
+
+
+def _ds_config(args: argparse.Namespace) -> dict:
+    """The --deepspeed_config file, with --zero_stage applied."""
+    if not args.deepspeed_config:
+        raise SystemExit("train_gpt.py: pass --deepspeed --deepspeed_config <file> (see the README)")
+    with open(args.deepspeed_config, encoding="utf-8") as handle:
+        config = json.load(handle)
+    if args.zero_stage is not None:
+        zero = config.setdefault("zero_optimization", {})
+        zero["stage"] = args.zero_stage
+        if args.zero_stage < 2:
+            zero.pop("overlap_comm", None)
+    return config
 
 
 def _set_threads() -> None:
@@ -134,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     dataset = GrammarDataset(args.num_samples, args.block_size, seed=args.seed)
     held_out = GrammarDataset(64, args.block_size, seed=args.seed + 1).windows
 
-    engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                training_data=dataset)
+    n_params = model.num_parameters()  # before ZeRO-3 partitions the weights
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                training_data=dataset, config=_ds_config(args))
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} ready on {engine.device}: {len(loader)} micro-batches of "
           f"{engine.train_micro_batch_size_per_gpu()} per epoch, {torch.get_num_threads()} threads", flush=True)
@@ -146,11 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     record.eval_after = evaluate(engine.module, held_out)
     record.peak_bytes, memory_kind = _peak_memory_per_rank()
+    record.sample_text = _sample(engine.module, args.seed)  # every rank: ZeRO-3 gathers weights collectively
     if rank == 0:
-        record.sample_text = _sample(engine.module, args.seed)
         header = {
             "model": f"GPT {cfg.n_layer} layers x {cfg.n_head} heads, d_model {cfg.d_model}, "
-                     f"{model.num_parameters() / 1e6:.2f} M parameters, vocab {cfg.vocab_size}",
+                     f"{n_params / 1e6:.2f} M parameters, vocab {cfg.vocab_size}",
             "data": f"synthetic grammar (seed {args.seed}), {len(dataset)} windows x {args.block_size + 1} tokens; "
                     f"held-out: {len(held_out)} windows (seed {args.seed + 1})",
             "ranks": f"{world} ({dist.get_backend()}), global batch {engine.train_batch_size()} = micro "

@@ -115,13 +115,16 @@ def _free_port() -> int:
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not HAS_INITIALIZE, reason="deepspeed.initialize is missing: the engine is not implemented yet")
 @pytest.mark.skipif(os.path.exists("/job/hostfile"), reason="a real /job/hostfile would be used")
-def test_main_job_quick_run_through_launcher(tmp_path):
+@pytest.mark.parametrize("zero_stage", [None, 3])  # the config's stage 2, and the README's one-flag switch to 3
+def test_main_job_quick_run_through_launcher(tmp_path, zero_stage):
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = LAUNCHER + ["--num_gpus", "2", "--master_port", str(_free_port()), str(EXAMPLES / "train_gpt.py"),
                       "--deepspeed", "--deepspeed_config", str(EXAMPLES / "gpt_ds_config.json"),
                       "--steps", "10", "--log_interval", "1", "--num_samples", "512"]
+    if zero_stage is not None:
+        cmd += ["--zero_stage", str(zero_stage)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=40)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = re.split(r"\r\n|\r|\n", proc.stdout)
