@@ -5,6 +5,11 @@ launcher: the Transformers ``Trainer`` (``"auto"`` values, a consolidated ``save
 ``DeepSpeedPlugin(zero_stage=3)``.
 
 The launch helper and the Accelerate preamble are the stage-1/2 tests' (``test_accelerate.py``).
+
+Measured (torch 2.13 CPU, fp32, 2 gloo ranks): the Trainer resumed from step 3 repeats steps 4-6 bit for bit
+(losses, weights, eval loss); ``from_pretrained`` under ZeRO-3 gathers exactly the saved weights; Accelerate's
+ZeRO-3 weights are within 3e-8 of the one-process reference (bound 1e-6) and its gradient norms within a
+relative 1e-7 (bound 1e-5). The file runs in about 45 s (three two-rank launches of ~12-19 s each).
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ TRAINER = textwrap.dedent("""
               "optimizer": type(engine.optimizer).__name__, "steps": trainer.state.global_step,
               "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
               "eval_loss": metrics["eval_loss"],
-              "partitioned": all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters()
-                                 if not getattr(p, "ds_persist", False))}
+              "partitioned": sum(p.numel() == 0 and p.ds_tensor.numel() == (p.ds_numel + 1) // 2
+                                 for p in model.parameters()),
+              "persistent": sum(p.ds_persist for p in model.parameters())}
     trainer.save_model(os.path.join(out, "final"))
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         trained = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -114,7 +120,9 @@ def trainer_run(tmp_path_factory):
 def test_trainer_trains_saves_a_consolidated_model_and_evaluates(trainer_run):
     tmp, r = trainer_run
     assert r["engine"] == "DeepSpeedEngine" and r["stage"] == 3 and r["steps"] == 6
-    assert r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3" and r["partitioned"]
+    assert r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    # "auto" persistence threshold = 10 * n_embd: the 2-D weights (and wte, wpe) are partitioned, the rest kept
+    assert (r["partitioned"], r["persistent"]) == (10, 18), r
     losses = r["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
     assert 0 < r["eval_loss"] < losses[0]
@@ -159,7 +167,8 @@ ACCELERATE = common.PREAMBLE + textwrap.dedent("""
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, opt, dl = acc.prepare(model, opt, loader())
-    partitioned = all(p.ds_tensor.numel() == p.ds_numel // 2 and p.numel() == 0 for p in model.module.parameters())
+    partitioned = all(p.numel() == 0 and p.ds_tensor.numel() == (p.ds_numel + 1) // 2
+                      for p in model.module.parameters())
     losses, norms = train(acc, model, opt, None, dl, 16)  # the whole epoch: 4 optimizer steps
 
     # the same steps in one process: each global batch is 2 micro batches x 2 ranks of 4 samples

@@ -15,10 +15,10 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
-    "register_external_parameter",
     "_orig_torch_arange",
+    "register_external_parameter",
     "unregister_external_parameter",
-    "zero_wrapper_for_fp_tensor_constructor",
     "z3_leaf_module",
     "z3_leaf_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
 ]

@@ -43,9 +43,6 @@ def _check(opt: Any, states: Sequence[dict[str, Any]]) -> None:
             keys = sorted(sd)[:10] if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"ZeRO-3 optimizer state {i} is not a ZeRO stage 3 state (no '{FP32_GROUPS}'/"
                              f"'{BASE_STATE}'; found {keys})")
-        if len(sd[FP32_GROUPS]) != len(opt.groups):
-            raise ValueError(f"ZeRO-3 optimizer state has {len(sd[FP32_GROUPS])} parameter groups; this optimizer "
-                             f"has {len(opt.groups)}")
 
 
 def _saved_layout(states: Sequence[dict[str, Any]], g: int, opt: Any) -> tuple[list[str], list[int]]:
@@ -71,10 +68,8 @@ def _whole_values(flats: list[torch.Tensor], names: list[str], numels: list[int]
 def _cut(opt: Any, g: int, whole: dict[str, torch.Tensor], what: str) -> torch.Tensor:
     group = opt.groups[g]
     missing = [n for n in group.names if n not in whole]
-    extra = [n for n in whole if n not in set(group.names)]
-    if missing or extra:
-        raise ValueError(f"ZeRO-3 {what}, group {g}: parameters {missing[:5]} are not in the checkpoint and "
-                         f"{extra[:5]} of the checkpoint are not in the model")
+    if missing:
+        raise ValueError(f"ZeRO-3 {what}: parameters {missing[:5]} of the model are not in the checkpoint")
     out = torch.zeros(group.numel, dtype=torch.float32)
     for name, p, offset in zip(group.names, group.params, group.offsets, strict=True):
         value = whole[name]
@@ -90,6 +85,8 @@ def _cut(opt: Any, g: int, whole: dict[str, torch.Tensor], what: str) -> torch.T
 
 def _same_layout(opt: Any, states: Sequence[dict[str, Any]]) -> bool:
     if len(states) != 1 or states[0].get("partition_count", opt.world) != opt.world:
+        return False
+    if len(states[0][FP32_GROUPS]) != len(opt.groups):  # other sub-group bounds
         return False
     layout = states[0].get("zero_layout")
     return layout is None or [list(e["names"]) for e in layout] == [list(g.names) for g in opt.groups]
@@ -131,21 +128,46 @@ def _zero_padding(group: Any) -> None:
             flat[offset + valid:offset + part] = 0
 
 
-def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    masters, new_state = [], {}
-    for g in range(len(opt.groups)):
+def _whole_by_name(states: Sequence[dict[str, Any]], opt: Any, pick: Any) -> dict[str, torch.Tensor]:
+    """name -> whole value over every saved sub-group; ``pick(state, g)`` is a saved rank's flat tensor ``g``."""
+    whole: dict[str, torch.Tensor] = {}
+    for g in range(len(states[0][FP32_GROUPS])):
         names, numels = _saved_layout(states, g, opt)
-        flats = [sd[FP32_GROUPS][g] for sd in states]
-        masters.append(_cut(opt, g, _whole_values(flats, names, numels), "optimizer state"))
-        saved_numel = flats[0].numel()
+        whole.update(_whole_values([pick(sd, g) for sd in states], names, numels))
+    return whole
+
+
+def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Cut every saved rank's partitions again for this rank (another world size, or other sub-group bounds):
+    each parameter's whole value is put together by name, then this rank's slice is taken."""
+    masters_by_name = _whole_by_name(states, opt, lambda sd, g: sd[FP32_GROUPS][g])
+    trained = {n for group in opt.groups for n in group.names}
+    extra = [n for n in masters_by_name if n not in trained]
+    if extra:
+        raise ValueError(f"ZeRO-3 optimizer state: parameters {extra[:5]} of the checkpoint are not trained by this "
+                         "optimizer (another model, or other frozen parameters)")
+    masters = [_cut(opt, g, masters_by_name, "optimizer state") for g in range(len(opt.groups))]
+    saved_state = states[0][BASE_STATE]["state"]
+    first = saved_state.get(0, {})
+    new_state: dict[int, dict[str, Any]] = {}
+    per_key: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in first.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == states[0][FP32_GROUPS][0].numel():
+            per_key[key] = _whole_by_name(states, opt, lambda sd, g, key=key: sd[BASE_STATE]["state"][g][key])
+    for g in range(len(opt.groups)):
         group_state = {}
-        for key, value in states[0][BASE_STATE]["state"].get(g, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == saved_numel:
-                pieces = [sd[BASE_STATE]["state"][g][key] for sd in states]
-                group_state[key] = _cut(opt, g, _whole_values(pieces, names, numels), f"optimizer state {key!r}")
-                group_state[key] = group_state[key].to(value.dtype)
-            else:
-                group_state[key] = value
+        for key, value in first.items():
+            if key in per_key:
+                group_state[key] = _cut(opt, g, per_key[key], f"optimizer state {key!r}").to(value.dtype)
+            else:  # per-group scalars (Adam's step) are the same in every saved sub-group; each new sub-group
+                # gets its own copy (optimizers count steps in place)
+                group_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
         if group_state:
             new_state[g] = group_state
-    return masters, {"state": new_state, "param_groups": states[0][BASE_STATE]["param_groups"]}
+    current = opt.optimizer.state_dict()["param_groups"]
+    saved_groups = states[0][BASE_STATE]["param_groups"]
+    if len(saved_groups) != len(current):
+        raise ValueError(f"ZeRO-3 optimizer state has {len(saved_groups)} parameter groups; this optimizer has "
+                         f"{len(current)}")
+    groups = [{**saved, "params": now["params"]} for saved, now in zip(saved_groups, current, strict=True)]
+    return masters, {"state": new_state, "param_groups": groups}

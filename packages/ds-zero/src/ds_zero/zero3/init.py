@@ -9,11 +9,12 @@ DeepSpeed's patched tensor constructors do), and, with ``override_module_apply``
 module's parameters around the function (rank 0's result is kept). Both are restored on exit, also on an
 exception and in nested contexts (only the outermost one installs and removes them).
 
-Tensor constructors (``torch.tensor/empty/zeros/ones/full/arange``) are wrapped as in DeepSpeed while the
-context is active: a tensor built without a ``device`` goes to the partitions' compute device and floating
-tensors take the partition dtype. The wrapper is looked up on ``deepspeed.runtime.zero.partition_parameters``
-(``zero_wrapper_for_fp_tensor_constructor``) when the context is entered, because clients replace it there:
-Transformers' ``prevent_arange_dtype_change`` keeps ``torch.arange``'s dtype (RoPE tables) that way.
+Unlike DeepSpeed, the tensor constructors are not wrapped: modules initialise in the default dtype (so a model
+built under ``Init`` starts from the same values as one built without it) and the partition dtype is applied
+when the parameters are partitioned. DeepSpeed's wrapper (``zero_wrapper_for_fp_tensor_constructor``) and
+``_orig_torch_arange`` still exist at ``deepspeed.runtime.zero.partition_parameters``, because clients read and
+replace them around ``Init`` (Transformers' ``prevent_arange_dtype_change``, entered by every ZeRO-3
+``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -33,21 +34,15 @@ from ds_zero.zero3._param import PartitionSpace, ZeroParamStatus, convert_param,
 
 _LOCAL = threading.local()
 
-# the constructors zero.Init wraps, kept unwrapped (DeepSpeed's names: clients compare against _orig_torch_arange)
-_orig_torch_tensor = torch.tensor
-_orig_torch_empty = torch.empty
-_orig_torch_zeros = torch.zeros
-_orig_torch_ones = torch.ones
-_orig_torch_full = torch.full
+# DeepSpeed's name for the unwrapped constructor (Transformers compares the functions it is given against it)
 _orig_torch_arange = torch.arange
-_CONSTRUCTORS = {"tensor": _orig_torch_tensor, "empty": _orig_torch_empty, "zeros": _orig_torch_zeros,
-                 "ones": _orig_torch_ones, "full": _orig_torch_full, "arange": _orig_torch_arange}
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype,
                                            target_device: torch.device | None = None) -> Any:
     """DeepSpeed's constructor wrapper: ``fn`` with ``device`` defaulting to ``target_device`` (the rank's
-    accelerator, or the CPU) and floating results cast to ``target_fp_dtype``."""
+    accelerator, or the CPU) and floating results cast to ``target_fp_dtype``. ``Init`` does not install it
+    (see the module's docstring); it is kept, with DeepSpeed's signature, for clients that wrap or call it."""
     device = target_device if target_device is not None else _compute_device()
 
     def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -190,10 +185,8 @@ class Init:
                 p.ds_tensor = p.ds_tensor.pin_memory()
 
     def _partition_module(self, module: torch.nn.Module) -> None:
+        # buffers keep their dtype (computed fp32 buffers such as RoPE's inv_freq); the engine casts the module
         self._partition_params(module.parameters())
-        for buffer in module.buffers():
-            if buffer.is_floating_point() and buffer.dtype != self.dtype:
-                buffer.data = buffer.data.to(self.dtype)
 
     # ---- the context ---------------------------------------------------------------------------------------
     def __enter__(self) -> Init:
@@ -229,20 +222,12 @@ class Init:
         self._original_apply = torch.nn.Module.apply
         if self.override_module_apply:
             torch.nn.Module.apply = _gathered_apply
-        # looked up where clients replace it (the documented module path), at each outermost entry
-        from ds_zero import partition_parameters
-
-        wrap = partition_parameters.zero_wrapper_for_fp_tensor_constructor
-        for name, fn in _CONSTRUCTORS.items():
-            setattr(torch, name, wrap(fn, self.dtype, target_device=self.space.compute_device))
 
     def _uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         torch.set_default_device(self._previous_device)
         torch.nn.Module.apply = self._original_apply
-        for name, fn in _CONSTRUCTORS.items():
-            setattr(torch, name, fn)
 
     def _current(self) -> Init:
         return _LOCAL.stack[-1]

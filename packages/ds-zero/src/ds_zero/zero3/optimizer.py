@@ -128,6 +128,19 @@ class Z3Group:
         return self.grad.to(self.master.device, torch.float32)
 
 
+def _sub_groups(params: list[torch.nn.Parameter], size: int) -> list[list[torch.nn.Parameter]]:
+    out, current, total = [], [], 0
+    for p in params:
+        current.append(p)
+        total += p.ds_tensor.numel()
+        if total >= size:
+            out.append(current)
+            current, total = [], 0
+    if current or not out:
+        out.append(current)
+    return out
+
+
 def is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     from ds_zero.stage_1_and_2 import is_ds_cpu_optimizer as check
 
@@ -167,6 +180,9 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         register(self, [p for g in self.groups for p in g.params])
 
     def _build_groups(self, names: dict[torch.nn.Parameter, str]) -> list[Z3Group]:
+        """One :class:`Z3Group` per sub-group: each optimizer parameter group is cut into runs of about
+        ``sub_group_size`` partition elements (DeepSpeed's sub-groups), each with its own flat master, so the
+        step's temporary fp32 copies stay bounded; the torch group holds the sub-groups' masters."""
         s = self.settings
         groups, seen = [], set()
         for group in self.optimizer.param_groups:
@@ -176,13 +192,16 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
             if bad:
                 raise ValueError(f"ZeRO-3: optimizer parameters of shapes {bad[:5]} are not partitioned parameters "
                                  "of the model (pass the model's own parameters to the optimizer)")
-            low = params[0].dtype if params else torch.float32
-            grad_dtype = torch.float32 if s.fp32_grad_accum else low
-            device = params[0].ds_tensor.device if params else torch.device("cpu")
-            master_device = torch.device("cpu") if s.offload_optimizer else device
-            zg = Z3Group(params, [names[p] for p in params], grad_dtype, master_device, s.pin_memory)
-            group["params"] = [zg.master]
-            groups.append(zg)
+            masters = []
+            for chunk in _sub_groups(params, max(1, s.sub_group_size)):
+                low = chunk[0].dtype if chunk else torch.float32
+                grad_dtype = torch.float32 if s.fp32_grad_accum else low
+                device = chunk[0].ds_tensor.device if chunk else torch.device("cpu")
+                master_device = torch.device("cpu") if s.offload_optimizer else device
+                zg = Z3Group(chunk, [names[p] for p in chunk], grad_dtype, master_device, s.pin_memory)
+                masters.append(zg.master)
+                groups.append(zg)
+            group["params"] = masters
         self.optimizer.state.clear()
         return groups
 
