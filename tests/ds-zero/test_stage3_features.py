@@ -271,6 +271,8 @@ def _bad(case: str) -> str:
         if case == "shape":
             bad = {"hidden.weight": torch.zeros(3, 3)}
             engine.module.load_state_dict(bad, strict=False)
+        if case == "data":  # a released parameter's values are never silently the empty tensor
+            model.hidden.weight.sum()
         if case == "unregister":
             deepspeed.zero.unregister_external_parameter(model.hidden, model.embed.weight)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
@@ -282,6 +284,7 @@ def _bad(case: str) -> str:
     ("nvme", ["zero_optimization.offload_param.device", "nvme", "none or cpu"]),
     ("shape", ["hidden.weight", "(3, 3)", "(8, 8)"]),
     ("unregister", ["unregister_external_parameter", "Linear"]),
+    ("data", ["hidden.weight", "(8, 8)", "sum()", "deepspeed.zero.GatheredParameters"]),
 ])
 def test_bad_input_is_a_clear_error(case, words):
     message = run_distributed(_bad, world_size=1, args=(case,), timeout=60)[0]

@@ -128,7 +128,7 @@ def engine_run(config: dict, run: dict) -> dict:
     dtype, device = next(engine.parameters()).dtype, next(engine.parameters()).device
     out = {"losses": [], "norms": [], "scales": [], "skipped": [], "changed": []}
     for step, (x, y) in enumerate(batches(kind, steps, micro * gas * world)):
-        before = [p.detach().clone() for p in engine.module.parameters()]
+        before = whole_state(engine)
         losses = []
         for g in range(gas):
             lo = (g * world + rank) * micro
@@ -145,8 +145,8 @@ def engine_run(config: dict, run: dict) -> dict:
         out["norms"].append(engine.get_global_grad_norm())
         out["scales"].append(engine.get_loss_scale())
         out["skipped"].append(engine.skipped_steps)
-        after = list(engine.module.parameters())
-        out["changed"].append(any(not torch.equal(b, p) for b, p in zip(before, after, strict=True)))
+        after = whole_state(engine)
+        out["changed"].append(any(not torch.equal(before[k], v) for k, v in after.items()))
     out["state"] = whole_state(engine)
     out["types"] = (type(engine.optimizer).__name__, type(engine.optimizer.optimizer).__name__)
     out["lrs"] = engine.get_lr()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ds_zero.collectives import TORCH
+from ds_zero.zero3._guard import guard
 
 _IDS = itertools.count()
 
@@ -95,6 +96,7 @@ def convert_param(param: torch.nn.Parameter, space: PartitionSpace, dtype: torch
     param.all_gather = _bound(all_gather_params, param)
     param.partition = _bound(release_params, param)
     param.ds_summary = _bound(_summary, param)
+    guard(param)
 
 
 def _bound(fn: Any, param: torch.nn.Parameter) -> Any:

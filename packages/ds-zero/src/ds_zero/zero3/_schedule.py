@@ -180,10 +180,16 @@ class ParamScheduler:
         self._fetched_at: dict[int, int] = {}
         self._after_own_backward = False  # unit id -> trace position of its last fetch
         self._handles: list[Any] = []
+        self._name_params()
         self._mark_persistent()
         self._install()
 
     # ---- setup ---------------------------------------------------------------------------------------------
+    def _name_params(self) -> None:
+        for name, p in self.root.named_parameters():
+            if is_partitioned(p) and not getattr(p, "ds_name", None):
+                p.ds_name = name
+
     def partitioned_params(self) -> list[torch.nn.Parameter]:
         return [p for p in dict.fromkeys(self.root.parameters()) if is_partitioned(p)]
 

@@ -216,8 +216,10 @@ class Init:
             torch_module.register_module_module_registration_hook(self._on_submodule),
             torch_module.register_module_parameter_registration_hook(self._on_parameter),
         ]
-        self._previous_device = torch.get_default_device()
+        # only when it changes anything: set_default_device installs a global torch-function mode
+        self._previous_device = None
         if self.space.compute_device.type != "cpu":
+            self._previous_device = torch.get_default_device()
             torch.set_default_device(self.space.compute_device)
         self._original_apply = torch.nn.Module.apply
         if self.override_module_apply:
@@ -226,7 +228,8 @@ class Init:
     def _uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
-        torch.set_default_device(self._previous_device)
+        if self._previous_device is not None:
+            torch.set_default_device(None if self._previous_device.type == "cpu" else self._previous_device)
         torch.nn.Module.apply = self._original_apply
 
     def _current(self) -> Init:
