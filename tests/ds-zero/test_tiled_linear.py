@@ -214,8 +214,9 @@ def test_zero3_tiled_trains_like_the_untiled_layer_one_tile_at_a_time():
     r0, r1 = run_distributed(_tiled_vs_untiled_zero3, world_size=2, timeout=90)
     # built partitioned under zero.Init: each rank holds ceil(numel / 2) of every 5x4, 5x4, 5x3 tile
     assert r0["built"] == {"empty": True, "parts": [10, 10, 8, 10, 10, 8]}
-    # one tile whole at a time in forward and in backward (prefetch off, reuse distance 0, nothing persistent)
-    one_at_a_time = ([("forward", 1)] * 6 + [("backward", 1)] * 6) * 4
+    # one tile whole at a time in forward (prefetch off, reuse distance 0, nothing persistent); in backward a tile
+    # is released as soon as its gradients have landed, before the module's full-backward hook runs
+    one_at_a_time = ([("forward", 1)] * 6 + [("backward", 0)] * 6) * 4
     assert r0["whole_tiles"] == one_at_a_time and r1["whole_tiles"] == one_at_a_time
     assert r0["after"] == {"NOT_AVAILABLE"}
     assert r0["tiled_losses"] == pytest.approx(r0["untiled_losses"], rel=1e-5)

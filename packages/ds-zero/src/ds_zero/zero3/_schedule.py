@@ -178,7 +178,9 @@ class ParamScheduler:
         self.backward_pending = False
         self.ends_with_backward = False  # set by the optimizer, whose reducer ends each training pass
         self._fetched_at: dict[int, int] = {}
-        self._after_own_backward = False  # unit id -> trace position of its last fetch
+        self._after_own_backward = False
+        self._landed: dict[int, set[int]] = {}  # unit id -> ds_ids whose gradient landed in this backward
+        self._indexed_externals = -1  # unit id -> trace position of its last fetch
         self._handles: list[Any] = []
         self._name_params()
         self._mark_persistent()
@@ -302,6 +304,29 @@ class ParamScheduler:
     def before_backward(self, unit: GatherUnit) -> None:
         self.fetch(unit)
 
+    def grad_landed(self, param: torch.nn.Parameter) -> None:
+        """``param``'s gradient is final for this backward: a unit whose every parameter trains and has its
+        gradient is done with backward, even when no input of it asked for a gradient (``_AfterBackward`` never
+        runs for a model's first layer). Units with frozen parameters wait: those may still be read."""
+        for unit in self._units_of(param):
+            params = unit.all_params()
+            if any(not p.requires_grad for p in params) or unit in self.stack:
+                continue
+            landed = self._landed.setdefault(unit.id, set())
+            landed.add(param.ds_id)
+            if len(landed) == len(params):
+                self.after_backward(unit)
+
+    def _units_of(self, param: torch.nn.Parameter) -> list[GatherUnit]:
+        externals = sum(len(u.external) for u in self.units)
+        if externals != self._indexed_externals:  # external parameters were added since the index was built
+            self._unit_index: dict[int, list[GatherUnit]] = {}
+            for unit in self.units:
+                for p in unit.all_params():
+                    self._unit_index.setdefault(p.ds_id, []).append(unit)
+            self._indexed_externals = externals
+        return self._unit_index.get(param.ds_id, [])
+
     def after_backward(self, unit: GatherUnit) -> None:
         self._after_own_backward = True
         try:
@@ -389,6 +414,7 @@ class ParamScheduler:
         self.stack.clear()
         self.in_pass = self.backward_pending = False
         self._fetched_at.clear()
+        self._landed.clear()
         if self.cache.end_pass() and self.settings.log_trace_cache_warnings:
             logger.warning("ZeRO-3: the order in which modules ran changed since the last pass; the prefetch trace "
                            "was rebuilt (dynamic models prefetch less)")

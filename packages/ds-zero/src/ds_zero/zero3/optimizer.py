@@ -214,7 +214,8 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
     partition_gradients = True
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
-        return None
+        if hasattr(param, "ds_id"):
+            self.scheduler.grad_landed(param)
 
     def get_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         return param.grad
