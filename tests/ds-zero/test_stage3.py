@@ -44,12 +44,14 @@ VARIANTS = {
                                 "stage3_prefetch_bucket_size": 30, "stage3_max_reuse_distance": 0},
     "stage3_offload": {**PARTITIONED, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
     "stage3_subgroups": {**PARTITIONED, "sub_group_size": 40},  # several flat masters per parameter group
+    "stage3_fetch_options": {**PARTITIONED, "stage3_use_all_reduce_for_fetch_params": True,
+                             "stage3_allgather_sequential": True, "stage3_module_granularity_threshold": 100},
 }
 
 
 @pytest.mark.parametrize(("variant", "world", "gas"), [
     ("stage3", 2, 2), ("stage3_partitioned", 2, 3), ("stage3_prefetch_overlap", 2, 2), ("stage3_offload", 2, 2),
-    ("stage3_subgroups", 2, 2),
+    ("stage3_subgroups", 2, 2), ("stage3_fetch_options", 2, 1),
     ("stage3_partitioned", 4, 2), ("stage3_prefetch_overlap", 4, 1), ("stage3_partitioned", 1, 2)])
 def test_fp32_matches_stage0_and_reference(variant, world, gas):
     got = train(zero_config(VARIANTS[variant], gradient_clipping=CLIP), world, gas=gas)

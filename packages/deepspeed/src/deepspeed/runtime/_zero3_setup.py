@@ -93,7 +93,10 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
     problems = _unsupported(config, mpu, module)
     if problems:
         raise ConfigError(*problems)
-    space = PartitionSpace.of(dp_group, _partition_device(config, device), device, comm=comm)
+    zero = config.zero_optimization
+    space = PartitionSpace.of(dp_group, _partition_device(config, device), device, comm=comm,
+                              fetch_all_reduce=bool(zero.use_all_reduce_for_fetch_params),
+                              sequential=bool(zero.allgather_sequential))
     whole = [p for p in module.parameters() if not is_partitioned(p)]
     for p in module.parameters():
         if is_partitioned(p):
@@ -101,7 +104,6 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
     broadcast_module(module, dp_group, params=whole)
     for p in whole:
         convert_param(p, space)
-    zero = config.zero_optimization
     scheduler = ParamScheduler(module, _schedule_settings(zero), _leaf_rule(zero))
     install_state_dict_hooks(module)
     return scheduler

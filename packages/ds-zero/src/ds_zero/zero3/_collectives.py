@@ -6,7 +6,8 @@ A gather moves every listed parameter in one exchange: the partitions are packed
 buffer of ``U`` elements, each rank receives ``W * U`` elements (rank ``r``'s buffer at ``[r*U, (r+1)*U)``),
 and each parameter's whole value is cut out of that. On gloo with up to four ranks the exchange is point to
 point (the same choice as stage 1/2's gather, ``ds_zero._gather``: faster than gloo's all-gather on CPU);
-otherwise one ``all_gather_into_tensor``.
+otherwise one ``all_gather_into_tensor``; with ``stage3_use_all_reduce_for_fetch_params`` an all-reduce of a
+zeroed buffer holding each rank's slice. ``stage3_allgather_sequential`` makes one exchange per parameter.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _Batch:
     def start(self) -> None:
         space, comm = self.space, self.space.comm
         dtype, device = self.params[0].dtype, space.compute_device
-        self.out = torch.empty(space.world * self.unit, dtype=dtype, device=device)
+        alloc = torch.zeros if space.fetch_all_reduce else torch.empty
+        self.out = alloc(space.world * self.unit, dtype=dtype, device=device)
         mine = self.out.narrow(0, space.rank * self.unit, self.unit)
         for p, offset in zip(self.params, self.offsets, strict=True):
             mine.narrow(0, offset, p.ds_tensor.numel()).copy_(p.ds_tensor)
@@ -56,7 +58,9 @@ class _Batch:
             p.ds_status = ZeroParamStatus.INFLIGHT
         if space.world == 1 or self.unit == 0:
             return
-        if _use_p2p(space):
+        if space.fetch_all_reduce:  # every rank contributes its slice to a zeroed buffer; the sum is the whole
+            self.works = [comm.all_reduce(self.out, group=space.group, async_op=True)]
+        elif _use_p2p(space):
             ops = []
             for r in range(space.world):
                 if r != space.rank:
@@ -88,7 +92,8 @@ class PendingGather:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         by_kind: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
         for p in params:
-            by_kind[(id(p.ds_space.group), p.dtype, p.ds_space.compute_device)].append(p)
+            key = (id(p.ds_space.group), p.dtype, p.ds_space.compute_device)
+            by_kind[(*key, p.ds_id) if p.ds_space.sequential else key].append(p)
         self.batches = [_Batch(ps) for ps in by_kind.values()]
         self.numel = sum(p.ds_numel for p in params)
         for batch in self.batches:

@@ -46,13 +46,17 @@ class PartitionSpace:
     device: torch.device
     compute_device: torch.device
     comm: Any = TORCH
+    fetch_all_reduce: bool = False  # stage3_use_all_reduce_for_fetch_params
+    sequential: bool = False  # stage3_allgather_sequential: one exchange per parameter
 
     @classmethod
-    def of(cls, group: Any, device: Any, compute_device: Any, comm: Any = TORCH) -> PartitionSpace:
+    def of(cls, group: Any, device: Any, compute_device: Any, comm: Any = TORCH, fetch_all_reduce: bool = False,
+           sequential: bool = False) -> PartitionSpace:
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(group) if distributed else 1
         rank = dist.get_rank(group) if distributed else 0
-        return cls(group, world, rank, torch.device(device), torch.device(compute_device), comm)
+        return cls(group, world, rank, torch.device(device), torch.device(compute_device), comm, fetch_all_reduce,
+                   sequential)
 
 
 def partition_numel(numel: int, world: int) -> int:
