@@ -66,7 +66,8 @@ def _schedule_settings(zero: Any) -> Any:
         param_persistence_threshold=int(zero.param_persistence_threshold),
         model_persistence_threshold=int(zero.model_persistence_threshold),
         module_granularity_threshold=int(zero.module_granularity_threshold),
-        log_trace_cache_warnings=bool(zero.log_trace_cache_warnings))
+        log_trace_cache_warnings=bool(zero.log_trace_cache_warnings),
+        memory_efficient_linear=bool(zero.memory_efficient_linear))
 
 
 def _leaf_rule(zero: Any) -> Any:

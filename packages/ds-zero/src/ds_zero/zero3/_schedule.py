@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
+from ds_zero.zero3._linear import use_memory_efficient_linear
 from ds_zero.zero3._param import ZeroParamStatus, is_partitioned, release_one
 from ds_zero.zero3._prefetch import TraceCache, TraceSettings
 
@@ -44,6 +45,7 @@ class ScheduleSettings:
     model_persistence_threshold: int = 2 ** 63 - 1
     module_granularity_threshold: int = 0
     log_trace_cache_warnings: bool = False
+    memory_efficient_linear: bool = True
 
 
 class GatherUnit:
@@ -185,6 +187,8 @@ class ParamScheduler:
         self._name_params()
         self._mark_persistent()
         self._install()
+        if settings.memory_efficient_linear:
+            use_memory_efficient_linear(root)
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def _name_params(self) -> None:
