@@ -1,4 +1,4 @@
-"""Per-rank memory of ZeRO stages 0, 1, 2 and 2 + CPU optimizer offload against the theoretical figures.
+"""Per-rank memory of ZeRO stages 0, 1, 2, 2 + CPU optimizer offload and 3 against the theoretical figures.
 
 Each configuration (stage x data-parallel world size N x precision) runs in a fresh launch of N gloo ranks:
 build an MLP, ``deepspeed.initialize``, train two steps, and after the second backward (gradients live,
@@ -21,6 +21,13 @@ Offload is stage 2 with master + Adam states in host memory (the "host" column; 
 and device are the same memory). ``ratio`` = accounted model states (params + grads + master + optim) /
 theory. Peak RSS is measured (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs`` once
 the model is built): "peak growth" is the peak during initialize + 2 steps minus the RSS with the model built.
+Stage 3 (``stage3``, config ``STAGE3``: every parameter partitioned, released right after use, no prefetch, 1e6
+element reduce buckets): params = the weight partitions, gpart = the gradient partitions, theory (lp + lp + 12)
+Psi / N, also shown against 16 Psi / N (fp32: weights + gradients + Adam, the fp32 master copy left out); whole
+values held (``live``) and reduce buckets are reported apart, and "pass max" is the largest of them (plus full
+``.grad`` tensors) at any module's forward or gradient arrival. With stage 3 selected, a model of
+``--layers`` x Linear(``--init_width``) is also built on 2 ranks with and without ``deepspeed.zero.Init``
+(fresh ranks each): bytes its parameters hold after the build and peak RSS growth during it.
 Run: ``python benchmarks/zero_memory.py`` (``--quick``: N = 1, 2 and a smaller model).
 """
 
@@ -61,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="MLP hidden layers (Linear(width, width) each)")
     parser.add_argument("--init_width", type=int, default=2048,
                         help="Linear width of the zero.Init build comparison (stage 3; 0: skip it)")
+    parser.add_argument("--mmap_threshold", type=int, default=1 << 20,
+                        help="MALLOC_MMAP_THRESHOLD_ (bytes) of the zero.Init build's ranks (0: glibc's default)")
     parser.add_argument("--quick", action="store_true", help="N = 1, 2; width 512")
     args = parser.parse_args(argv)
     if args.quick:
@@ -308,8 +317,21 @@ def measure(world: int, variant: str, dtype: str, args: argparse.Namespace) -> l
 
 
 def measure_init(world: int, use_init: bool, args: argparse.Namespace) -> list[dict]:
-    """One fresh launch building the model with or without ``zero.Init``."""
-    return _launch(_init_rank_main, world, (world, use_init, args))
+    """One fresh launch building the model with or without ``zero.Init``. With ``--mmap_threshold`` glibc's
+    malloc gets a fixed mmap threshold (the ranks inherit the variable): blocks above it are mapped and unmapped
+    on free, so peak RSS follows the bytes allocated. With glibc's default (a threshold that rises to the
+    largest block freed, up to 32 MiB) a freed whole layer stays in the heap and the RSS measures the
+    allocator's retention, not what the model holds."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if args.mmap_threshold > 0:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    try:
+        return _launch(_init_rank_main, world, (world, use_init, args))
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def _launch(fn, world: int, args: tuple) -> list[dict]:
@@ -342,9 +364,12 @@ def format_row(variant: str, dtype: str, world: int, rows: list[dict]) -> str:
 
 def format_init(world: int, rows_plain: list[dict], rows_init: list[dict], args: argparse.Namespace) -> list[str]:
     psi = rows_plain[0]["psi"]
+    malloc = (f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold > 0
+              else "glibc's default malloc")
     lines = [f"building {args.layers} x Linear({args.init_width}) ({psi / 1e6:.2f} M parameters, "
-             f"{4 * psi / MB:.1f} MiB fp32) on {world} ranks, attached one layer at a time (MiB per rank, max over "
-             "ranks):", f"{'build':<16} {'held':>8} {'whole':>8} {'peak+':>8} {'peak RSS':>8} {'peak+/full':>10}"]
+             f"{4 * psi / MB:.1f} MiB fp32) on {world} ranks, attached one layer at a time, {malloc} (MiB per rank, "
+             "max over ranks):",
+             f"{'build':<16} {'held':>8} {'whole':>8} {'peak+':>8} {'peak RSS':>8} {'peak+/full':>10}"]
     for name, rows in (("plain", rows_plain), ("zero.Init", rows_init)):
         held = max(r["held"] for r in rows)
         whole = max(r["whole"] for r in rows)

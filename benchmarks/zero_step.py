@@ -26,7 +26,8 @@ wraps the phases with ``perf_counter`` (forward; backward, of which the reducer'
 final ``finish``; step, of which the basic optimizer's ``step`` kernel, the global-norm all-reduce and the
 gather of updated partitions; stage 3: the scheduler's fetches (gathers included) and releases, of which the
 gathers themselves, and the step's re-gather of persistent parameters) and prints their ms per step, which
-gives the CPU Adam kernel's share of the offload step; ``--collectives`` adds gloo's ways of reducing and gathering a buffer of the MLP's size.
+gives the CPU Adam kernel's share of the offload step; ``--collectives`` adds gloo's ways of reducing and
+gathering a buffer of the MLP's size.
 Targets (issue 7): stages 1 and 2 <= 1.2x stage 0's step time; stage 0 >= 0.95x DDP; stage 3 <= 1.6x stage 0
 (DeepSpeed 0.19.8 on the development machine: 2.6x GPT-2, 4.0x MLP).
 Run: ``python benchmarks/zero_step.py`` (``--quick`` for a short run, ``--help`` for sizes).
@@ -371,7 +372,7 @@ def timing_table(model: str, res: dict, args: argparse.Namespace) -> list[str]:
     samples = args.steps * micro_batch(model, args) * args.world_size
     med = {v: statistics.median(ws) / args.steps for v, ws in wall.items()}
     lines = [f"model {model}: {res['params'] / 1e6:.2f} M parameters, micro batch {micro_batch(model, args)}/rank",
-             f"{'variant':<15} {'kernel':<16} {'ms/step':>8} {'samples/s':>9} {'/stage0':>8} {'paired':>8} "
+             f"{'variant':<18} {'kernel':<16} {'ms/step':>8} {'samples/s':>9} {'/stage0':>8} {'paired':>8} "
              f"{'CPU paired':>10} {'stage0/ddp':>10} {'paired':>8}"]
     for v in wall:
         rate = samples / statistics.median(wall[v])
@@ -381,7 +382,7 @@ def timing_table(model: str, res: dict, args: argparse.Namespace) -> list[str]:
                                paired(cpu[v], cpu["stage0"]))
         if v == "stage0" and "ddp" in wall:
             s0ddp, s0ddpp = med["ddp"] / med["stage0"], paired(wall["ddp"], wall["stage0"])
-        lines.append(f"{v:<15} {res['kernels'][v]:<16} {1e3 * med[v]:>8.2f} {rate:>9.1f} {_fmt_ratio(vs0):>8} "
+        lines.append(f"{v:<18} {res['kernels'][v]:<16} {1e3 * med[v]:>8.2f} {rate:>9.1f} {_fmt_ratio(vs0):>8} "
                      f"{_fmt_ratio(vs0p):>8} {_fmt_ratio(vs0c):>10} {_fmt_ratio(s0ddp):>10} {_fmt_ratio(s0ddpp):>8}")
     return lines
 
@@ -397,7 +398,7 @@ def phase_table(phases: dict[str, dict[str, float]]) -> list[str]:
     short = {"backward.hooks": "bwd.hooks", "backward.finish": "bwd.finish", "step.optimizer": "opt.step",
              "step.norm": "norm", "step.gather": "gather", "z3.fetch": "z3.fetch", "z3.gather": "z3.gather",
              "z3.release": "z3.release"}
-    head = f"{'variant':<15}" + "".join(f" {short.get(c, c):>10}" for c in PHASE_COLUMNS) + f" {'total':>8}"
+    head = f"{'variant':<18}" + "".join(f" {short.get(c, c):>10}" for c in PHASE_COLUMNS) + f" {'total':>8}"
     lines = ["profiled pass, ms per step (bwd.hooks/bwd.finish are inside backward; opt.step/norm/gather inside "
              "step; stage 3: gather = the step's release + re-gather of persistent parameters, z3.fetch (of which "
              "z3.gather: waiting for / running the gathers) and z3.release inside forward + backward):",
@@ -406,7 +407,7 @@ def phase_table(phases: dict[str, dict[str, float]]) -> list[str]:
         total = ph.get("forward", 0) + ph.get("backward", 0) + ph.get("step", 0)
         cells = "".join(f" {ph[c]:>10.2f}" if c in ph else f" {'-':>10}" for c in PHASE_COLUMNS)
         share = 100 * ph.get("step.optimizer", 0) / total if total else 0.0
-        lines.append(f"{v:<15}{cells} {total:>8.2f} {share:>7.1f}%")
+        lines.append(f"{v:<18}{cells} {total:>8.2f} {share:>7.1f}%")
     return lines
 
 

@@ -208,3 +208,42 @@ def test_submodule_attributes_are_direct_children_only():
     for module, name in [(deepspeed, "no_such.thing"), (deepspeed, ".x"), (deepspeed.runtime, "no_such.thing")]:
         assert not hasattr(module, name)
     assert not hasattr(deepspeed, "runtime.engine")  # not an attribute name
+
+
+_NOT_BUILT_PROBE = r"""
+import importlib, json
+import deepspeed
+out = {}
+for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.schedule", "deepspeed.inference.engine"):
+    try:
+        importlib.import_module(path)
+        out[path] = "imported"
+    except ModuleNotFoundError as exc:
+        out[path] = [type(exc).__name__, exc.name, str(exc)]
+out["hasattr"] = [hasattr(deepspeed, "moe"), hasattr(deepspeed, "init_inference"), hasattr(deepspeed, "zero")]
+try:
+    deepspeed.init_inference
+except AttributeError as exc:
+    out["attr"] = str(exc)
+import deepspeed.inference.config  # a served path under a not-built parent stays served
+out["served"] = deepspeed.inference.config.__name__
+print(json.dumps(out))
+"""
+
+
+def test_paths_of_features_not_built_yet_say_so(tmp_path):
+    """A documented path of a feature this version lacks is a ModuleNotFoundError naming the feature (so
+    ``try: import ... except ImportError`` keeps working), and ``hasattr`` stays False."""
+    proc = subprocess.run([sys.executable, "-I", "-c", _NOT_BUILT_PROBE], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    kind, name, message = out["deepspeed.moe.layer"]
+    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.moe")
+    assert "Mixture of Experts" in message and "does not provide yet" in message
+    assert out["deepspeed.pipe"][2].startswith("module 'deepspeed.pipe' is part of pipeline parallelism")
+    assert out["deepspeed.runtime.pipe.schedule"][1] == "deepspeed.runtime.pipe"
+    assert "inference" in out["deepspeed.inference.engine"][2]
+    assert out["hasattr"] == [False, False, True]
+    assert out["attr"].startswith("deepspeed.init_inference is part of inference")
+    assert out["served"] == "ds_config.inference"

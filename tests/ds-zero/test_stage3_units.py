@@ -3,6 +3,7 @@ by mark, class, name or granularity), and what the trace predicts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ds_zero.zero3._prefetch import TraceCache
@@ -38,6 +39,18 @@ def test_leaf_modules_gather_their_subtree():
     assert _units(_model(), leaf_rule(classes=["Block"])) == {"Sequential": 1, "0": 2, "1": 4, "2": 4}
     assert _units(_model(), leaf_rule(names=["2"])) == {"Sequential": 1, "0": 2, "1.a": 2, "1.b": 2, "2": 4}
     assert _units(_model(), leaf_rule(name_suffixes=["b"])) == _units(_model())  # 1.b, 2.b: already leaves
+
+
+def test_leaf_modules_by_name_and_suffix():
+    from deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+
+    model = _model()
+    found, missing = set_z3_leaf_modules_by_name(model, ["1", "9"], raise_if_not_found=False)
+    assert found == [model[1]] and missing == ["9"]
+    set_z3_leaf_modules_by_suffix(model, "2.b")
+    assert get_z3_leaf_modules(model) == [model[1], model[2].b]
+    with pytest.raises(ValueError, match=r"names \['nope'\]"):
+        set_z3_leaf_modules_by_name(model, "nope")
 
 
 def test_granularity_threshold_merges_fine_modules():

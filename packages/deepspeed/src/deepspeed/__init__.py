@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
     try:
         module, attribute = _LAZY[name]
     except KeyError:
+        from deepspeed._compat_paths import NOT_BUILT_NAMES
+
+        if name in NOT_BUILT_NAMES:
+            raise AttributeError(_compat.not_built_message(f"deepspeed.{name}", NOT_BUILT_NAMES[name])) from None
         return _submodule(name)  # deepspeed.runtime, deepspeed.ops, ... as attributes, as DeepSpeed has them
     value = importlib.import_module(module)
     if attribute is not None:

@@ -16,7 +16,16 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deepspeed._compat_paths import COMPAT_PATHS
+from deepspeed._compat_paths import COMPAT_PATHS, NOT_BUILT
+
+
+class FeatureNotAvailable(ModuleNotFoundError):
+    """A documented DeepSpeed module path whose feature this version does not provide yet."""
+
+
+def not_built_message(what: str, feature: str) -> str:
+    return (f"{what} is part of {feature}, which this version of the modular DeepSpeed does not provide yet; "
+            "see the README's 'What works today' for what does")
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -47,6 +56,8 @@ def submodule_getattr(package: str) -> Callable[[str], Any]:
         if name.isidentifier() and not name.startswith("__"):  # a child's name, never a dotted path
             try:
                 return importlib.import_module(f"{package}.{name}")
+            except FeatureNotAvailable as exc:  # hasattr() stays False, and a direct access says why
+                raise AttributeError(str(exc)) from None
             except ModuleNotFoundError as exc:
                 if exc.name != f"{package}.{name}":  # the submodule exists but needs something missing
                     raise
@@ -111,9 +122,35 @@ class PrefixFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _PrefixLoader(), is_package=True)
 
 
-def install(table: Mapping[str, str] = COMPAT_PATHS) -> None:
+class _NotBuiltLoader(importlib.abc.Loader):
+    def __init__(self, feature: str) -> None:
+        self.feature = feature
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        raise FeatureNotAvailable(not_built_message(f"module {spec.name!r}", self.feature), name=spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:  # never reached: create_module raises
+        raise FeatureNotAvailable(module.__name__, name=module.__name__)
+
+
+class NotBuiltFinder(importlib.abc.MetaPathFinder):
+    """Placed last on ``sys.meta_path``: documented paths of features not built yet fail with an error naming the
+    feature (only when no real module or alias provides the path)."""
+
+    def __init__(self, table: Mapping[str, str]) -> None:
+        self.table = table
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None):
+        for prefix, feature in self.table.items():
+            if fullname == prefix or fullname.startswith(prefix + "."):
+                return importlib.machinery.ModuleSpec(fullname, _NotBuiltLoader(feature), is_package=True)
+        return None
+
+
+def install(table: Mapping[str, str] = COMPAT_PATHS, not_built: Mapping[str, str] = NOT_BUILT) -> None:
     """Register the finders once per process."""
     if any(isinstance(f, AliasFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, AliasFinder(table))
     sys.meta_path.append(PrefixFinder(table))
+    sys.meta_path.append(NotBuiltFinder(not_built))

@@ -46,3 +46,34 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.tiling": "ds_zero.zero3.tiled_linear",
     "deepspeed.utils.zero_to_fp32": "ds_zero.zero_to_fp32",
 }
+
+
+NOT_BUILT: dict[str, str] = {
+    # documented module path (and everything below it) -> the feature it belongs to, not built in this version
+    "deepspeed.pipe": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
+    "deepspeed.runtime.pipe": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
+    "deepspeed.moe": "Mixture of Experts (deepspeed.moe.layer.MoE, expert parallelism, AutoEP)",
+    "deepspeed.inference.engine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    "deepspeed.module_inject": "inference kernel injection and AutoTP (deepspeed.module_inject)",
+    "deepspeed.ops.transformer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
+    "deepspeed.checkpointing": "the activation checkpointing API (deepspeed.checkpointing)",
+    "deepspeed.runtime.activation_checkpointing": "the activation checkpointing API (deepspeed.checkpointing)",
+    "deepspeed.runtime.fp16.onebit": "the communication-compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB)",
+    "deepspeed.elasticity": "elastic training (deepspeed.elasticity)",
+    "deepspeed.sequence": "sequence parallelism (DeepSpeed-Ulysses)",
+    "deepspeed.compile": "DeepCompile and AutoSP (deepspeed.compile)",
+    "deepspeed.autotuning": "autotuning (deepspeed --autotuning)",
+    "deepspeed.runtime.data_pipeline": "data efficiency (curriculum learning, random-LTD)",
+    "deepspeed.compression": "model compression (deepspeed.compression)",
+    "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
+}
+"""Documented paths of features this version does not have yet: importing one raises ``FeatureNotAvailable`` (a
+``ModuleNotFoundError``) naming the feature, instead of a bare "No module named ...". Rows leave as features land."""
+
+NOT_BUILT_NAMES: dict[str, str] = {
+    "init_inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    "tp_model_init": "automatic tensor-parallel training (deepspeed.tp_model_init)",
+    "PipelineModule": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
+}
+"""Documented top-level ``deepspeed.<name>`` attributes of features not built yet (an ``AttributeError`` naming them)."""

@@ -28,7 +28,7 @@ _ZERO_DEBUG = (
 )
 
 _Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
-            "z3_leaf_parameter")
+            "z3_leaf_parameter", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 
 __all__ = ["log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
 

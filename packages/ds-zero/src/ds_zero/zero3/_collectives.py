@@ -96,12 +96,16 @@ class PendingGather:
             by_kind[(*key, p.ds_id) if p.ds_space.sequential else key].append(p)
         self.batches = [_Batch(ps) for ps in by_kind.values()]
         self.numel = sum(p.ds_numel for p in params)
+        for p in params:
+            p.ds_pending = self  # so any later gather of an INFLIGHT parameter (gather_now) waits for this one
         for batch in self.batches:
             batch.start()
 
     def wait(self) -> None:
         for batch in self.batches:
             batch.finish()
+            for p in batch.params:
+                p.ds_pending = None
         self.batches = []
 
 
@@ -112,7 +116,10 @@ def start_gather(params: list[torch.nn.Parameter]) -> PendingGather:
 
 
 def gather_now(params: list[torch.nn.Parameter]) -> None:
-    """Gather every listed parameter that is not available yet, and wait for it."""
+    """Gather every listed parameter that is not available yet, and wait for it (also for gathers already in
+    flight: a prefetched parameter read by GatheredParameters or another module)."""
+    for pending in dict.fromkeys(p.ds_pending for p in params if p.ds_status is ZeroParamStatus.INFLIGHT):
+        pending.wait()
     needed = [p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
     if needed:
         start_gather(needed).wait()

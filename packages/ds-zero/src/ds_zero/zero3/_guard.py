@@ -28,7 +28,7 @@ _ALLOWED = frozenset({
 
 
 def _released(value: Any) -> torch.nn.Parameter | None:
-    if isinstance(value, PartitionedParameter) and value.ds_status.name == "NOT_AVAILABLE" and value.ds_numel:
+    if isinstance(value, PartitionedParameter) and value.ds_status.name != "AVAILABLE" and value.ds_numel:
         return value
     if isinstance(value, (list, tuple)):
         for item in value:

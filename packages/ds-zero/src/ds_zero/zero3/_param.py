@@ -93,6 +93,7 @@ def convert_param(param: torch.nn.Parameter, space: PartitionSpace, dtype: torch
     param.ds_space = space
     param.ds_persist = False
     param.ds_external = False
+    param.ds_pending = None  # the PendingGather bringing it while INFLIGHT
     param.ds_active_sub_modules = set()
     param.ds_process_group = space.group
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE

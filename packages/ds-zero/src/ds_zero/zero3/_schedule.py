@@ -126,14 +126,16 @@ class _AfterBackward(torch.autograd.Function):
 
 
 class _ZeroParamDict(dict):
-    """A module's ``_parameters``: reading a released parameter while a unit runs gathers it and makes it an
-    external parameter of that unit (the automatic external-parameter detection of the spec)."""
+    """A module's ``_parameters``: reading another unit's parameter while a unit runs gathers it and makes it an
+    external parameter of that unit (the automatic external-parameter detection of the spec), also when it happens
+    to be gathered already (prefetched for its own module): it is released with its module, and backward must
+    gather it again for the reader."""
 
     scheduler_ref: Any = None
 
     def __getitem__(self, key: str) -> Any:
         param = super().__getitem__(key)
-        if param is not None and getattr(param, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE:
+        if param is not None and hasattr(param, "ds_status"):
             scheduler = self.scheduler_ref() if self.scheduler_ref is not None else None
             if scheduler is not None and scheduler.active:
                 scheduler.adopt_external(param)
@@ -298,6 +300,8 @@ class ParamScheduler:
 
     def adopt_external(self, param: torch.nn.Parameter) -> None:
         unit = self.stack[-1]
+        if unit.id in param.ds_active_sub_modules and param.ds_status is ZeroParamStatus.AVAILABLE:
+            return  # the running unit's own parameter, or one it adopted already
         if all(param is not q for q in unit.all_params()):
             unit.external.append(param)
             param.ds_external = True

@@ -42,6 +42,36 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Any,
     return _set(model, leaf_module_classes, True, raise_if_not_found)
 
 
+def _set_by(model: torch.nn.Module, wanted: Any, match: Any, flag: bool, raise_if_not_found: bool,
+            what: str) -> tuple[list[torch.nn.Module], list[str]]:
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    found, hit = [], set()
+    for name, module in model.named_modules():
+        for w in wanted:
+            if match(name, w):
+                module.__dict__[_ATTR] = flag
+                found.append(module)
+                hit.add(w)
+    missing = [w for w in wanted if w not in hit]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module of {type(model).__name__} has the {what} {missing}")
+    return found, missing
+
+
+def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names: Any, flag: bool = True,
+                                raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+    """Mark (``flag``) the modules named exactly ``module_names`` (``named_modules()`` names); returns the modules
+    and the names that matched nothing."""
+    return _set_by(model, module_names, lambda name, w: name == w, flag, raise_if_not_found, "names")
+
+
+def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: Any, flag: bool = True,
+                                  raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+    """Mark (``flag``) the modules whose ``named_modules()`` name ends with one of ``module_name_suffixes``."""
+    return _set_by(model, module_name_suffixes, lambda name, w: bool(name) and name.endswith(w), flag,
+                   raise_if_not_found, "name suffixes")
+
+
 def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Any,
                           raise_if_not_found: bool = True) -> list[torch.nn.Module]:
     return _set(model, leaf_module_classes, False, raise_if_not_found)
