@@ -84,7 +84,21 @@ class DynamicLM(torch.nn.Module):
         return self.head(torch.tanh(second(torch.tanh(first(h)))))
 
 
-MODELS = {"tied": TiedLM, "external": ExternalLM, "returned": ReturnedLM, "dynamic": DynamicLM}
+class WideLM(torch.nn.Module):
+    """Partitions large enough (> 65536 elements per rank) to travel point to point on their own, beside a
+    packed batch of small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.up = torch.nn.Linear(DIM, 20000)
+        self.head = torch.nn.Linear(20000, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.up(self.embed(ids))))
+
+
+MODELS = {"wide": WideLM, "tied": TiedLM, "external": ExternalLM, "returned": ReturnedLM, "dynamic": DynamicLM}
 
 
 def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -137,7 +151,7 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> float:
 
 
 @pytest.mark.parametrize(("kind", "world"), [("tied", 2), ("external", 2), ("returned", 2), ("dynamic", 2),
-                                             ("tied", 4)])
+                                             ("tied", 4), ("wide", 2)])
 def test_patterns_match_stage0(kind, world):
     got = run_distributed(_train, world_size=world, args=(kind, Z3), timeout=90)
     base = run_distributed(_train, world_size=world, args=(kind, {"stage": 0}), timeout=90)

@@ -76,4 +76,5 @@ NOT_BUILT_NAMES: dict[str, str] = {
     "tp_model_init": "automatic tensor-parallel training (deepspeed.tp_model_init)",
     "PipelineModule": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
 }
-"""Documented top-level ``deepspeed.<name>`` attributes of features not built yet (an ``AttributeError`` naming them)."""
+"""Documented top-level ``deepspeed.<name>`` attributes of features not built yet (an ``AttributeError`` naming
+them)."""

@@ -22,6 +22,8 @@ from ds_zero._gather import P2P_MAX_WORLD
 from ds_zero.zero3._param import ZeroParamStatus, install_full, write_partition_from_full
 
 _P2P_CACHE: dict[int, bool] = {}
+# point to point, a partition of at least this many elements travels on its own (no packing copies)
+_DIRECT_NUMEL = 1 << 16
 
 
 def _use_p2p(space: Any) -> bool:
@@ -37,47 +39,80 @@ class _Batch:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         self.space = params[0].ds_space
-        self.offsets = []
-        total = 0
-        for p in params:
+        self.works: list[Any] = []
+        self.out: torch.Tensor | None = None
+        self.direct: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._layout(params)
+
+    def _layout(self, packed: list[torch.nn.Parameter]) -> None:
+        self.packed, self.offsets, total = packed, [], 0
+        for p in packed:
             self.offsets.append(total)
             total += p.ds_tensor.numel()
         self.unit = total
-        self.works: list[Any] = []
-        self.out: torch.Tensor | None = None
 
     def start(self) -> None:
         space, comm = self.space, self.space.comm
         dtype, device = self.params[0].dtype, space.compute_device
-        alloc = torch.zeros if space.fetch_all_reduce else torch.empty
-        self.out = alloc(space.world * self.unit, dtype=dtype, device=device)
-        mine = self.out.narrow(0, space.rank * self.unit, self.unit)
-        for p, offset in zip(self.params, self.offsets, strict=True):
-            mine.narrow(0, offset, p.ds_tensor.numel()).copy_(p.ds_tensor)
         for p in self.params:
             p.ds_status = ZeroParamStatus.INFLIGHT
+        if space.world > 1 and not space.fetch_all_reduce and _use_p2p(space):
+            self.works = list(comm.batch_isend_irecv(self._p2p_ops(dtype, device)))
+            return
+        mine = self._pack(dtype, device)
         if space.world == 1 or self.unit == 0:
             return
         if space.fetch_all_reduce:  # every rank contributes its slice to a zeroed buffer; the sum is the whole
             self.works = [comm.all_reduce(self.out, group=space.group, async_op=True)]
-        elif _use_p2p(space):
-            ops = []
-            for r in range(space.world):
-                if r != space.rank:
-                    peer = dist.get_global_rank(space.group, r) if space.group is not None else r
-                    ops.append(dist.P2POp(dist.isend, mine, peer, space.group))
-                    ops.append(dist.P2POp(dist.irecv, self.out.narrow(0, r * self.unit, self.unit), peer,
-                                          space.group))
-            self.works = list(comm.batch_isend_irecv(ops))
         else:
             self.works = [comm.all_gather_into_tensor(self.out, mine.clone(), group=space.group, async_op=True)]
+
+    def _p2p_ops(self, dtype: torch.dtype, device: torch.device) -> list[Any]:
+        """Large partitions travel on their own, from ``ds_tensor`` straight into the slices of the parameter's
+        whole value (no packing before, no unpacking after); the small ones share one packed buffer."""
+        space, ops = self.space, []
+        for p in self.params:
+            part = p.ds_tensor.numel()
+            if part >= _DIRECT_NUMEL:
+                full = torch.empty(space.world * part, dtype=dtype, device=device)
+                full.narrow(0, space.rank * part, part).copy_(p.ds_tensor)
+                self.direct.append((p, full))
+                ops += self._exchange(p.ds_tensor, lambda r, full=full, part=part: full.narrow(0, r * part, part))
+        self._layout([p for p in self.params if p.ds_tensor.numel() < _DIRECT_NUMEL])
+        if self.unit:
+            mine = self._pack(dtype, device)
+            ops += self._exchange(mine, lambda r: self.out.narrow(0, r * self.unit, self.unit))
+        return ops
+
+    def _exchange(self, send: torch.Tensor, recv_of: Any) -> list[dist.P2POp]:
+        space, ops = self.space, []
+        for r in range(space.world):
+            if r != space.rank:
+                peer = dist.get_global_rank(space.group, r) if space.group is not None else r
+                ops.append(dist.P2POp(dist.isend, send, peer, space.group))
+                ops.append(dist.P2POp(dist.irecv, recv_of(r), peer, space.group))
+        return ops
+
+    def _pack(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        space = self.space
+        alloc = torch.zeros if space.fetch_all_reduce else torch.empty
+        self.out = alloc(space.world * self.unit, dtype=dtype, device=device)
+        mine = self.out.narrow(0, space.rank * self.unit, self.unit)
+        for p, offset in zip(self.packed, self.offsets, strict=True):
+            mine.narrow(0, offset, p.ds_tensor.numel()).copy_(p.ds_tensor)
+        return mine
 
     def finish(self) -> None:
         for work in self.works:
             work.wait()
+        for p, full in self.direct:
+            install_full(p, full[:p.ds_numel])
+        self.direct = []
+        if self.out is None:
+            return
         world = self.space.world
         grid = self.out.view(world, self.unit)
-        for p, offset in zip(self.params, self.offsets, strict=True):
+        for p, offset in zip(self.packed, self.offsets, strict=True):
             part = p.ds_tensor.numel()
             pieces = grid.narrow(1, offset, part)
             # one parameter's pieces are strided across the rank rows: this copy is its own whole value

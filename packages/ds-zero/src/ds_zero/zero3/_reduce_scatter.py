@@ -25,6 +25,8 @@ import torch.distributed as dist
 from ds_zero._gather import P2P_MAX_WORLD
 from ds_zero._reduce import ReduceSettings
 
+_POOL = 2  # freed buffers kept for reuse: one bucket's [W, B] buffer and its receive rows (~2 x reduce_bucket_size)
+
 
 class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter], world: int) -> None:
@@ -63,6 +65,9 @@ class ReduceScatter:
         self.in_flight: collections.deque[_Bucket] = collections.deque()
         self.p2p = world > 1 and dist.get_backend(group) == "gloo" and world <= P2P_MAX_WORLD
         self.coalescing = False
+        # freed bucket and receive buffers, reused by the next bucket: a fresh tensor per bucket and step costs its
+        # allocation and, on the CPU, the first-touch page faults of every byte (15 ms of an MLP step)
+        self._pool: list[torch.Tensor] = []
 
     def _make_buckets(self, params: list[torch.nn.Parameter], limit: int) -> list[_Bucket]:
         buckets, current, size = [], [], 0
@@ -119,12 +124,27 @@ class ReduceScatter:
 
     def buffers(self) -> list[torch.Tensor]:
         """Communication buffers currently allocated (``offload_states``' contiguous_grad_buffer)."""
-        return [b.buffer for b in self.buckets if b.buffer is not None]
+        return [b.buffer for b in self.buckets if b.buffer is not None] + list(self._pool)
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for k, t in enumerate(self._pool):
+            if t.numel() >= numel and t.dtype == dtype and t.device == device:
+                return self._pool.pop(k)[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _give(self, t: torch.Tensor | None) -> None:
+        if t is not None:
+            base = t if t._base is None else t._base
+            self._pool.append(base.reshape(-1))
+            self._pool.sort(key=torch.Tensor.numel)
+            while len(self._pool) > _POOL:
+                self._pool.pop(0)  # keep the largest
 
     # ---- buckets ---------------------------------------------------------------------------------------------
     def _buffer(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
-        if bucket.buffer is None:
-            bucket.buffer = torch.zeros(self.world, bucket.width, dtype=self.comm_dtype, device=device)
+        if bucket.buffer is None:  # not zeroed: _send zeroes the columns no gradient was packed into
+            bucket.buffer = self._take(self.world * bucket.width, self.comm_dtype, device).view(self.world,
+                                                                                                 bucket.width)
         return bucket.buffer
 
     def _pack(self, bucket: _Bucket, i: int, grad: torch.Tensor) -> None:
@@ -147,12 +167,16 @@ class ReduceScatter:
             device = bucket.params[0].ds_space.compute_device
             self._buffer(bucket, device)
         buf = bucket.buffer
+        for i, p in enumerate(bucket.params):
+            if i not in bucket.ready:  # no gradient on this rank (unused parameter): zeros take part
+                buf.narrow(1, bucket.columns[i], p.ds_tensor.numel()).zero_()
         if self.settings.prescale_gradients:
             buf.div_(self.settings.gradient_predivide_factor)
         if self.world == 1:
             bucket.result = buf[0]
         elif self.p2p:
-            bucket.received = torch.empty(self.world - 1, bucket.width, dtype=buf.dtype, device=buf.device)
+            bucket.received = self._take((self.world - 1) * bucket.width, buf.dtype, buf.device).view(
+                self.world - 1, bucket.width)
             ops, k = [], 0
             for r in range(self.world):
                 if r == self.rank:
@@ -175,8 +199,10 @@ class ReduceScatter:
         for work in bucket.works:
             work.wait()
         if bucket.received is not None:
-            result = bucket.buffer[self.rank].clone()
-            result += bucket.received.sum(0)
+            result = bucket.buffer[self.rank]  # summed in place: the buffer goes back to the pool below
+            for row in bucket.received:
+                result.add_(row)
+            self._give(bucket.received)
             bucket.received = None
         else:
             result = bucket.result
@@ -186,5 +212,6 @@ class ReduceScatter:
             result.div_(self.world)
         for i, p in enumerate(bucket.params):
             self.add_to_partition(p, result.narrow(0, bucket.columns[i], p.ds_tensor.numel()))
-        # freed, not kept: one buffer per bucket for the whole run would hold a whole model's gradients
+        # back to the pool, not kept by the bucket: one buffer per bucket would hold a whole model's gradients
+        self._give(bucket.buffer)
         bucket.works, bucket.result, bucket.buffer = [], None, None

@@ -81,9 +81,14 @@ class Z3Group:
                 view.copy_(p.ds_tensor)
                 view.ds_numel = view.numel()
                 p.ds_tensor = view
-        master = self.lp_flat.detach().to(master_device, torch.float32, copy=True)
-        if pin_memory and master.device.type == "cpu" and torch.cuda.is_available():
-            master = master.pin_memory()
+        if first.dtype == torch.float32 and first.device == master_device and not pin_memory:
+            # fp32 training without optimizer offload: the fp32 partitions are the masters (a copy would make the
+            # model states 20 instead of 16 bytes per parameter, over N ranks)
+            master = self.lp_flat.detach()
+        else:
+            master = self.lp_flat.detach().to(master_device, torch.float32, copy=True)
+            if pin_memory and master.device.type == "cpu" and torch.cuda.is_available():
+                master = master.pin_memory()
         self.master = torch.nn.Parameter(master)
         self.grad_dtype, self.grad_device = grad_dtype, first.device
         self.grad = torch.zeros(total, dtype=grad_dtype, device=first.device)
@@ -114,11 +119,18 @@ class Z3Group:
         i = self.index[id(param)]
         return self.master.detach().narrow(0, self.offsets[i], param.ds_tensor.numel())
 
+    def _shares_master(self) -> bool:  # checked at each use: offload_states may move one of the two apart
+        return self.master.detach().data_ptr() == self.lp_flat.detach().data_ptr()
+
     def copy_master_to_lp(self) -> None:
+        if self._shares_master():
+            return
         with torch.no_grad():
             self.lp_flat.copy_(self.master.detach(), non_blocking=self.master.is_pinned())
 
     def sync_master_from_lp(self) -> None:
+        if self._shares_master():
+            return
         with torch.no_grad():
             self.master.data.copy_(self.lp_flat)
 
