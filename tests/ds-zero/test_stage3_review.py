@@ -107,3 +107,65 @@ def test_gathered_parameters_waits_for_a_gather_in_flight():
     assert torch.equal(out["inside"], torch.arange(6.0).reshape(2, 3))
     assert out["status"] == "AVAILABLE"
     assert "GatheredParameters" in out["computed"]  # never a silent computation on the empty tensor
+
+
+class _Reentrant(torch.nn.Module):
+    """The same weight inside a reentrant checkpoint and outside it: its gradient lands twice in one backward
+    (the checkpoint's nested backward accumulates first), the second time after its bucket may have left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
+        return self.head(torch.tanh(self.shared(h)))
+
+
+def _reentrant_run(zero: dict) -> dict:
+    import deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Reentrant()
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(4)
+    losses = []
+    for _ in range(4):
+        x = torch.randn(2 * world, 6, generator=gen, requires_grad=True)
+        loss = engine(x[2 * rank:2 * rank + 2]).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {"losses": losses, "w": model.shared.weight.detach().clone()}
+
+
+def _reentrant_reference() -> dict:
+    """One process, the whole global batch (stage 0 refuses this model: its all-reduce may not see a gradient
+    twice)."""
+    torch.manual_seed(0)
+    model = _Reentrant()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    gen = torch.Generator().manual_seed(4)
+    losses = []
+    for _ in range(4):
+        x = torch.randn(4, 6, generator=gen, requires_grad=True)
+        halves = [model(x[:2]).pow(2).mean(), model(x[2:]).pow(2).mean()]
+        opt.zero_grad()
+        (sum(halves) / 2).backward()
+        opt.step()
+        losses.append(float(halves[0].detach()))
+    return {"losses": losses, "w": model.shared.weight.detach().clone()}
+
+
+@pytest.mark.parametrize("bucket", [10, 10**6])
+def test_gradient_landing_twice_in_one_backward_is_not_lost(bucket):
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": bucket}
+    got = run_distributed(_reentrant_run, world_size=2, args=(zero,), timeout=60)
+    want = _reentrant_reference()
+    assert got[0]["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert torch.allclose(got[0]["w"], want["w"], rtol=1e-5, atol=1e-7)

@@ -88,6 +88,14 @@ class ReduceScatter:
             return
         b, i = found
         bucket = self.buckets[b]
+        if b < self.next_to_send:  # a second gradient after its bucket left (reentrant checkpointing runs nested
+            # backward passes): it travels alone, right away; every rank sees the same order, so the same exchange
+            late = _Bucket([param], self.world)
+            self._pack(late, 0, param.grad)
+            param.grad = None
+            late.ready.add(0)
+            self._send(late)
+            return
         self._pack(bucket, i, param.grad)
         param.grad = None  # the whole gradient is not kept: its slice travels in the bucket
         bucket.ready.add(i)
