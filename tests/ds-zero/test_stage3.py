@@ -66,3 +66,17 @@ def test_fp32_matches_stage0_and_reference(variant, world, gas):
     assert rel_error(got[0]["state"], base[0]["state"]) <= 1e-5
     assert global_losses(got) == pytest.approx(ref["losses"], rel=1e-5)
     assert got[0]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+BF16_BOUND = 1e-2  # as stage 1/2 (test_stage_1_and_2.py): bf16 rounding of averaged partitions vs stage 0's sum
+
+
+@pytest.mark.parametrize("variant", ["stage3", "stage3_prefetch_overlap", "stage3_offload"])
+def test_bf16_matches_bf16_stage0(variant):
+    extra = {"bf16": {"enabled": True}, "gradient_clipping": CLIP}
+    got = train(zero_config(VARIANTS[variant], **extra), 2, gas=2)
+    base = train(zero_config({"stage": 0}, **extra), 2, gas=2)
+    assert_ranks_agree(got)
+    assert rel_error(got[0]["state"], base[0]["state"]) <= BF16_BOUND
+    assert global_losses(got) == pytest.approx(global_losses(base), rel=BF16_BOUND)
+    assert got[0]["norms"] == pytest.approx(base[0]["norms"], rel=BF16_BOUND)

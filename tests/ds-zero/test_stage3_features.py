@@ -280,6 +280,8 @@ def _bad(case: str) -> str:
     zero = dict(Z3)
     if case == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": "/tmp"}
+    if case == "pipeline":
+        model = type("PipelineModule", (TiedLM,), {})()  # what deepspeed.pipe's model class is called
     try:
         engine, *_ = deepspeed.initialize(model=model, config={**BASE, "zero_optimization": zero})
         if case == "shape":
@@ -298,9 +300,65 @@ def _bad(case: str) -> str:
     ("nvme", ["zero_optimization.offload_param.device", "nvme", "none or cpu"]),
     ("shape", ["hidden.weight", "(3, 3)", "(8, 8)"]),
     ("unregister", ["unregister_external_parameter", "Linear"]),
+    ("pipeline", ["zero_optimization.stage", "pipeline parallelism", "0 or 1"]),
     ("data", ["hidden.weight", "(8, 8)", "sum()", "deepspeed.zero.GatheredParameters"]),
 ])
 def test_bad_input_is_a_clear_error(case, words):
     message = run_distributed(_bad, world_size=1, args=(case,), timeout=60)[0]
     for word in words:
         assert word in message, message
+
+
+def _offload_states_round_trip() -> dict:
+    import deepspeed
+    from deepspeed.runtime.zero.offload_states import get_state_devices
+    from ds_config.zero import OffloadStateTypeEnum
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    engine, *_ = deepspeed.initialize(model=model, config={**BASE, "zero_optimization": Z3})
+    ids = torch.randint(VOCAB, (2, 4), generator=torch.Generator().manual_seed(2))
+    engine.backward(engine(ids).float().pow(2).mean())
+    engine.step()
+    engine.offload_states()
+    refused = ""
+    try:
+        engine.backward(engine(ids).float().pow(2).mean())
+    except RuntimeError as exc:  # only when a state really left its device (not on a CPU-only run)
+        refused = str(exc)
+    engine.reload_states()
+    engine.backward(engine(ids).float().pow(2).mean())
+    engine.step()
+    devices = {s.value: sorted(str(d) for d in get_state_devices(engine, s)) for s in OffloadStateTypeEnum}
+    return {"refused": refused, "devices": devices, "steps": engine.global_steps}
+
+
+def test_offload_states_round_trip_at_stage3():
+    for r in run_distributed(_offload_states_round_trip, world_size=2, timeout=60):
+        assert r["steps"] == 2
+        assert r["devices"]["hp_params"] == ["cpu"] and r["devices"]["lp_params"] == ["cpu"]
+        assert r["devices"]["optim_states"] == ["cpu"]
+
+
+def _init_contexts() -> dict:
+    import deepspeed
+
+    original_apply = torch.nn.Module.apply
+    with deepspeed.zero.Init():
+        with deepspeed.zero.Init():
+            inner = torch.nn.Linear(4, 4)
+        middle = torch.nn.Linear(4, 4)  # still inside the outer context: partitioned
+        patched = torch.nn.Module.apply is not original_apply
+    try:
+        with deepspeed.zero.Init():
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    after = torch.nn.Linear(4, 4)
+    return {"inner": hasattr(inner.weight, "ds_id"), "middle": hasattr(middle.weight, "ds_id"), "patched": patched,
+            "restored": torch.nn.Module.apply is original_apply, "after": hasattr(after.weight, "ds_id")}
+
+
+def test_zero_init_nests_and_restores_on_exception():
+    r = run_distributed(_init_contexts, world_size=2, timeout=60)[0]
+    assert r == {"inner": True, "middle": True, "patched": True, "restored": True, "after": False}
