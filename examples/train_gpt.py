@@ -9,8 +9,10 @@ Quick check (what tests/deepspeed/test_main_job.py runs): add ``--steps 10 --log
 
 Uses only the documented DeepSpeed API: ``deepspeed.add_config_arguments``, ``deepspeed.initialize(model=...,
 model_parameters=..., training_data=..., config=...)``, ``engine(batch)``, ``engine.backward(loss)``,
-``engine.step()``. Rank 0 draws a progress bar, prints the loss every ``--log_interval`` steps and a closing
-summary (loss first -> last, held-out loss, samples/s, peak memory per rank, a generated sample).
+``engine.step()``. Rank 0 prints the step's loss every ``--log_interval`` steps, draws a progress bar (tqdm) when
+the output goes to a terminal (``--progress`` overrides), and closes with a summary (loss first -> last, held-out
+loss, samples/s, peak memory per rank, a generated sample). The engine's own report every ``steps_per_print``
+steps (``loss(avg of last N steps)=``) is the mean over its window, not the step's loss.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gpt_progress import ProgressBar, RunRecord, format_summary  # noqa: E402
 import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.utils import logger  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n_layer", type=int, default=4, help="transformer blocks")
     parser.add_argument("--n_head", type=int, default=4, help="attention heads per block")
     parser.add_argument("--d_model", type=int, default=128, help="model width")
+    parser.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
+                        help="auto: a progress bar when the output is a terminal, else only the --log_interval lines")
     parser.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="override zero_optimization.stage of the --deepspeed_config file (3: partitioned weights)")
     parser = deepspeed.add_config_arguments(parser)
@@ -160,8 +165,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{engine.train_micro_batch_size_per_gpu()} per epoch, {torch.get_num_threads()} threads", flush=True)
 
     record = RunRecord(eval_before=evaluate(engine.module, held_out))
-    bar = ProgressBar(args.steps, enabled=rank == 0)
-    train(engine, loader, args, record, bar)
+    interactive = {"auto": None, "bar": True, "lines": False}[args.progress]
+    bar = ProgressBar(args.steps, enabled=rank == 0, interactive=interactive)
+    with bar.redirect_logging(logger):  # the engine's steps_per_print lines go above the bar, not into it
+        train(engine, loader, args, record, bar)
     bar.close()
     record.eval_after = evaluate(engine.module, held_out)
     record.peak_bytes, memory_kind = _peak_memory_per_rank()

@@ -214,7 +214,8 @@ def test_progress_log_and_monitor_events(tmp_path):
     rank0 = results[0]["records"]
     assert any(r.startswith("DeepSpeed info: version=") for r in rank0)
     steps = [r for r in rank0 if r.startswith("step=")]
-    assert len(steps) == 2 and steps[0].startswith("step=2, skipped=0, lr=[0.1], loss_scale=256, loss=")
+    assert len(steps) == 2 and steps[0].startswith(
+        "step=2, skipped=0, lr=[0.1], loss_scale=256, loss(avg of last 2 steps)=")  # the window mean, named so
     assert "samples/sec=" in steps[0]
     timers = [r for r in rank0 if r.startswith("time (ms)")]
     assert len(timers) == 2 and all(p in timers[0] for p in ("forward", "backward_inner", "backward_allreduce"))

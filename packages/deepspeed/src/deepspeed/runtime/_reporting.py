@@ -1,5 +1,6 @@
 """The engine's periodic report, every ``steps_per_print`` optimizer steps: one log line on rank 0 (step,
-loss, lr, loss scale, skipped steps, samples/s; the phase timers with ``wall_clock_breakdown``, memory with
+skipped steps, lr, loss scale, ``loss(avg of last N steps)`` = the mean loss of the window's micro-steps over
+the data-parallel ranks, samples/s; the phase timers with ``wall_clock_breakdown``, memory with
 ``memory_breakdown``) and the documented monitor events, with the global sample count as the event step.
 
 Events (spec, "Monitoring"), written through the monitor master by global rank 0 only: ``Train/Samples/train_loss``
@@ -30,6 +31,11 @@ def _mean_loss(engine: Any) -> float | None:
     return float(value)
 
 
+def window_loss_label(steps: int) -> str:
+    """The report's name for its loss figure: the mean over the ``steps`` optimizer steps since the last report."""
+    return f"loss(avg of last {steps} step{'s' if steps != 1 else ''})"
+
+
 def _events(engine: Any, loss: float | None, timer_ms: dict[str, float]) -> list[tuple[str, float, int]]:
     step = engine.global_samples
     events = []
@@ -50,8 +56,10 @@ def report_progress(engine: Any) -> None:
     rate = engine.tput.report()
     lrs = [f"{lr:.6g}" for lr in engine.get_lr()]
     loss_text = "n/a" if loss is None else f"{loss:.6g}"
+    # The window mean, labelled as such: a training script's own "loss" is usually the last step's.
     log_dist(f"step={engine.global_steps}, skipped={engine.skipped_steps}, lr=[{', '.join(lrs)}], "
-             f"loss_scale={engine.optimizer.loss_scale:g}, loss={loss_text}, samples/sec={rate:.2f}", ranks=[0])
+             f"loss_scale={engine.optimizer.loss_scale:g}, {window_loss_label(steps)}={loss_text}, "
+             f"samples/sec={rate:.2f}", ranks=[0])
     if engine._config.memory_breakdown:
         from deepspeed.accelerator import get_accelerator
 
