@@ -22,8 +22,8 @@ and device are the same memory). ``ratio`` = accounted model states (params + gr
 theory. Peak RSS is measured (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs`` once
 the model is built): "peak growth" is the peak during initialize + 2 steps minus the RSS with the model built.
 Stage 3 (``stage3``, config ``STAGE3``: every parameter partitioned, released right after use, no prefetch, 1e6
-element reduce buckets): params = the weight partitions, gpart = the gradient partitions, theory (lp + lp + 12)
-Psi / N, also shown against 16 Psi / N (fp32: weights + gradients + Adam, the fp32 master copy left out); whole
+element reduce buckets): params = the weight partitions, gpart = the gradient partitions, theory 16 Psi / N
+(fp32: 4 + 4 + 8, the fp32 partitions being the masters; bf16: 2 + 2 + 12 with the fp32 master); whole
 values held (``live``) and reduce buckets are reported apart, and "pass max" is the largest of them (plus full
 ``.grad`` tensors) at any module's forward or gradient arrival. With stage 3 selected, a model of
 ``--layers`` x Linear(``--init_width``) is also built on 2 ranks with and without ``deepspeed.zero.Init``
@@ -94,8 +94,8 @@ def theory_bytes(variant: str, dtype: str, psi: int, n: int) -> float:
     lp = 2 if dtype == "bf16" else 4
     if variant == "stage0":
         return 16.0 * psi
-    if variant == "stage3":  # weights + gradients in the training dtype, fp32 master + Adam, all partitioned
-        return (lp + lp + 12) * psi / n
+    if variant == "stage3":  # all partitioned: fp32 4 + 4 + 8 (the fp32 partitions are the masters), bf16 2 + 2 + 12
+        return 16.0 * psi / n
     return shared_accounting().theoretical_bytes(1 if variant == "stage1" else 2, psi, n, lp)
 
 
@@ -356,9 +356,6 @@ def format_row(variant: str, dtype: str, world: int, rows: list[dict]) -> str:
     pass_cell = f"{pass_max / MB:>8.1f}" if pass_max is not None else f"{'-':>8}"
     line = (f"{variant:<8} {dtype:<5} {world:>2}{cells} {states / MB:>8.1f} {theory / MB:>8.1f} "
             f"{states / theory:>6.3f} {host / MB:>7.1f} {growth / MB:>8.1f} {peak / MB:>8.1f} {pass_cell}")
-    if variant == "stage3":  # the 16 Psi/N of the brief: fp32 has no master copy in that accounting
-        sixteen = states - (held["master"] if dtype == "fp32" else 0)
-        line += f"  | 16Psi/N {16 * psi / world / MB:.1f}: {sixteen / MB:.1f} ({sixteen / (16 * psi / world):.3f})"
     return line
 
 
@@ -399,8 +396,8 @@ FOOTER = ["", "MiB per rank (largest rank). states = params + grads + gpart + ma
           "at the accounting point (persistent or still gathered; none with the config below) and buffers = the",
           "reduce-scatter buckets allocated then, both outside states; pass max = the largest live + full .grad +",
           "buckets accounted at any module's forward or gradient arrival of the second step (tensor accounting).",
-          f"stage 3 config: {STAGE3}. 16Psi/N: params + gradients + Adam states (fp32: 4 + 4 + 8, the fp32 master",
-          "copy left out; bf16: 2 + 2 + 12 with the master) against 16 Psi / N bytes."]
+          f"stage 3 config: {STAGE3}. theory 16 Psi/N: fp32 4 + 4 + 8 (weights, gradients, Adam; the fp32",
+          "partitions are the masters), bf16 2 + 2 + 12 (with the fp32 master)."]
 
 
 def main(argv: list[str] | None = None) -> None:
