@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup, param_homes
 from ds_zero._gather import gather_method, gather_partitions
+from ds_zero._grad_norm import partitioned_norm
 from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
 from ds_zero._registry import register
@@ -166,16 +167,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
             self.reducer.reduced = True
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        device = grads[0].device if grads else torch.device("cpu")
-        sumsq = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel():
-                sumsq += torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).to(device) ** 2
-        if self.world > 1:
-            if dist.get_backend(self.dp_group) == "nccl" and sumsq.device.type == "cpu":
-                sumsq = sumsq.cuda()
-            self.comm.all_reduce(sumsq, group=self.dp_group)
-        return math.sqrt(float(sumsq))
+        return partitioned_norm(grads, self.comm, self.dp_group, self.world)
 
     def step(self) -> bool:
         """Unscale, skip on overflow (every rank sees the same global norm), clip, update, gather weights."""

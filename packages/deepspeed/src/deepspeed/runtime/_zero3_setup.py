@@ -13,6 +13,7 @@ import torch
 
 from deepspeed import comm
 from deepspeed.runtime._setup import StageInputs, _comm_dtype, _grad_accum_fp32, _loss_scaler
+from deepspeed.runtime._zero_setup import _check_offload_optimizer, zero_plus_plus_problems
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
 
@@ -34,16 +35,7 @@ def _unsupported(config: Any, mpu: Any, module: torch.nn.Module) -> list[ConfigP
     if off is not None and off.super_offload:
         problems.append(_problem("offload_optimizer.super_offload", "SuperOffload is not available in this "
                                  "version; accepted: false", True))
-    for key, value, accepted in (("zero_quantized_weights", zero.zero_quantized_weights, False),
-                                 ("zero_quantized_gradients", zero.zero_quantized_gradients, False),
-                                 ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights,
-                                  False),
-                                 ("zero_hpz_partition_size", zero.zero_hpz_partition_size, 1),
-                                 ("mics_shard_size", zero.mics_shard_size, -1)):
-        if value != accepted and not (key == "mics_shard_size" and value == 0):
-            problems.append(_problem(key, f"this option {later}: {accepted}", value))
-    if zero.zenflow is not None:
-        problems.append(_problem("zenflow", "ZenFlow is not available in this version; accepted: null", "{...}"))
+    problems += zero_plus_plus_problems(zero, f"this option {later}")
     if zero.legacy_stage1:
         problems.append(_problem("legacy_stage1", "a stage 1 option; accepted with stage 3: false", True))
     pipe = mpu.get_pipe_parallel_world_size() if mpu is not None and hasattr(mpu, "get_pipe_parallel_world_size") \
@@ -151,7 +143,6 @@ def zero3_settings(config: Any) -> Any:
 def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """The ZeRO-3 optimizer wrapper over the partitioned model and its reduce-scatter."""
     from deepspeed.__about__ import __version__
-    from deepspeed.runtime._zero_setup import _check_offload_optimizer
     from ds_zero.zero3.checkpoint_shards import Zero3CheckpointShards
     from ds_zero.zero3.optimizer import DeepSpeedZeroOptimizer_Stage3
 

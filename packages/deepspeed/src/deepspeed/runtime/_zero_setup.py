@@ -36,6 +36,16 @@ def _unsupported(zero: Any, stage: int) -> list[ConfigProblem]:
     par = zero.offload_param
     if par is not None and not str(par.device).endswith("none"):
         problems.append(_problem("offload_param.device", f"parameter offload {stage3}: none", str(par.device)))
+    problems += zero_plus_plus_problems(zero, f"ZeRO++/MiCS {stage3}")
+    if zero.legacy_stage1:
+        problems.append(_problem("legacy_stage1", "the legacy stage 1 implementation is not available; "
+                                 "accepted: false", True))
+    return problems
+
+
+def zero_plus_plus_problems(zero: Any, why: str) -> list[ConfigProblem]:
+    """ZeRO++ (qwZ, qgZ, hpZ), MiCS and ZenFlow options set away from their off value, each with ``why``."""
+    problems = []
     for key, value, accepted in (("zero_quantized_weights", zero.zero_quantized_weights, False),
                                  ("zero_quantized_gradients", zero.zero_quantized_gradients, False),
                                  ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights,
@@ -43,12 +53,9 @@ def _unsupported(zero: Any, stage: int) -> list[ConfigProblem]:
                                  ("zero_hpz_partition_size", zero.zero_hpz_partition_size, 1),
                                  ("mics_shard_size", zero.mics_shard_size, -1)):
         if value != accepted and not (key == "mics_shard_size" and value == 0):
-            problems.append(_problem(key, f"ZeRO++/MiCS {stage3}: {accepted}", value))
+            problems.append(_problem(key, f"{why}: {accepted}", value))
     if zero.zenflow is not None:
         problems.append(_problem("zenflow", "ZenFlow is not available in this version; accepted: null", "{...}"))
-    if zero.legacy_stage1:
-        problems.append(_problem("legacy_stage1", "the legacy stage 1 implementation is not available; "
-                                 "accepted: false", True))
     return problems
 
 
