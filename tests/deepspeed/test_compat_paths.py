@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from architecture._workspace import by_name, our_import_names
 
-from deepspeed._compat_paths import COMPAT_PATHS
+from deepspeed._compat_paths import COMPAT_PATHS, NOT_BUILT
 
 ROWS = sorted(COMPAT_PATHS.items())
 KEYS = [key for key, _ in ROWS]
@@ -153,7 +153,10 @@ def test_synthesized_parents_hold_only_documented_modules(prefix, probe):
     entry = probe["prefixes"][prefix]
     assert "error" not in entry, f"import {prefix} failed:\n{entry.get('error')}"
     assert entry["is_package"], f"{prefix} is not a package"
-    assert entry["undocumented"] == "ModuleNotFoundError", f"{prefix}.not_a_documented_module: {entry}"
+    # under a feature not built yet (deepspeed.runtime.pipe while only its topology is served) the error names it
+    not_built = any(prefix == p or prefix.startswith(p + ".") for p in NOT_BUILT)
+    expected_error = "FeatureNotAvailable" if not_built else "ModuleNotFoundError"
+    assert entry["undocumented"] == expected_error, f"{prefix}.not_a_documented_module: {entry}"
     real = SRC.joinpath(*prefix.split("."), "__init__.py")
     expected = str(real.resolve()) if real.is_file() else None  # a real package wins over a synthesized one
     assert (entry["file"] and str(Path(entry["file"]).resolve())) == expected, f"{prefix} comes from {entry['file']}"
@@ -214,7 +217,7 @@ _NOT_BUILT_PROBE = r"""
 import importlib, json
 import deepspeed
 out = {}
-for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.schedule", "deepspeed.inference.engine"):
+for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.engine", "deepspeed.inference.engine"):
     try:
         importlib.import_module(path)
         out[path] = "imported"
@@ -242,7 +245,7 @@ def test_paths_of_features_not_built_yet_say_so(tmp_path):
     assert (kind, name) == ("FeatureNotAvailable", "deepspeed.moe")
     assert "Mixture of Experts" in message and "does not provide yet" in message
     assert out["deepspeed.pipe"][2].startswith("module 'deepspeed.pipe' is part of pipeline parallelism")
-    assert out["deepspeed.runtime.pipe.schedule"][1] == "deepspeed.runtime.pipe"
+    assert out["deepspeed.runtime.pipe.engine"][:2] == ["FeatureNotAvailable", "deepspeed.runtime.pipe.engine"]
     assert "inference" in out["deepspeed.inference.engine"][2]
     assert out["hasattr"] == [False, False, True]
     assert out["attr"].startswith("deepspeed.init_inference is part of inference")

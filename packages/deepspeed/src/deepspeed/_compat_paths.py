@@ -45,6 +45,10 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.utils": "ds_zero.utils",
     "deepspeed.runtime.zero.tiling": "ds_zero.zero3.tiled_linear",
     "deepspeed.utils.zero_to_fp32": "ds_zero.zero_to_fp32",
+    # pipeline process topology (ds-pipe, issue 14)
+    "deepspeed.runtime.pipe.topology": "ds_pipe.topology",
+    # pipeline schedules (ds-pipe, issue 14)
+    "deepspeed.runtime.pipe.schedule": "ds_pipe.schedule",
 }
 
 

@@ -1,5 +1,29 @@
 """Pipeline parallelism: ProcessTopology, PipelineModule/LayerSpec, the pipeline schedules and engine."""
 
 from ds_pipe.__about__ import __version__
+from ds_pipe.schedule import (
+    DataParallelSchedule,
+    InferenceSchedule,
+    PipeInstruction,
+    PipeSchedule,
+    TrainSchedule,
+)
+from ds_pipe.topology import (
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "DataParallelSchedule",
+    "InferenceSchedule",
+    "PipeInstruction",
+    "PipeSchedule",
+    "TrainSchedule",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "PipelineParallelGrid",
+    "ProcessTopology",
+    "__version__",
+]
