@@ -21,6 +21,7 @@ _compat.install()
 _LAZY: dict[str, tuple[str, str | None]] = {
     "DeepSpeedConfig": ("ds_config", "DeepSpeedConfig"),
     "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "PipelineModule": ("ds_pipe.module", "PipelineModule"),
     "add_config_arguments": ("deepspeed._initialize", "add_config_arguments"),
     "comm": ("deepspeed.comm", None),
     "initialize": ("deepspeed._initialize", "initialize"),

@@ -49,13 +49,15 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.pipe.topology": "ds_pipe.topology",
     # pipeline schedules (ds-pipe, issue 14)
     "deepspeed.runtime.pipe.schedule": "ds_pipe.schedule",
+    # pipeline model: PipelineModule, LayerSpec, TiedLayerSpec (ds-pipe, issue 14)
+    "deepspeed.runtime.pipe.module": "ds_pipe.module",
+    "deepspeed.pipe": "ds_pipe.pipe_api",
 }
 
 
 NOT_BUILT: dict[str, str] = {
     # documented module path (and everything below it) -> the feature it belongs to, not built in this version
-    "deepspeed.pipe": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
-    "deepspeed.runtime.pipe": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
+    "deepspeed.runtime.pipe.engine": "the pipeline engine (PipelineEngine, deepspeed.initialize of a PipelineModule)",
     "deepspeed.moe": "Mixture of Experts (deepspeed.moe.layer.MoE, expert parallelism, AutoEP)",
     "deepspeed.inference.engine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
@@ -78,7 +80,6 @@ NOT_BUILT: dict[str, str] = {
 NOT_BUILT_NAMES: dict[str, str] = {
     "init_inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "tp_model_init": "automatic tensor-parallel training (deepspeed.tp_model_init)",
-    "PipelineModule": "pipeline parallelism (PipelineModule, LayerSpec, the pipeline engine)",
 }
 """Documented top-level ``deepspeed.<name>`` attributes of features not built yet (an ``AttributeError`` naming
 them)."""

@@ -45,6 +45,18 @@ def _check_mesh(mesh_param: Any) -> None:
                          f"(world size {dist.get_world_size()}, 1) is available in this version")
 
 
+def _check_not_pipeline(model: Any) -> None:
+    """A ``PipelineModule`` needs the pipeline engine, which this version does not have yet."""
+    import sys
+
+    module = sys.modules.get("ds_pipe.module")  # a PipelineModule instance means ds_pipe.module is imported
+    if module is not None and isinstance(model, module.PipelineModule):
+        raise RuntimeError("deepspeed.initialize: model is a PipelineModule, which trains with the pipeline engine "
+                           "(PipelineEngine); the pipeline engine is not built in this version yet. PipelineModule "
+                           "itself (deepspeed.pipe) is available: wrap its layers in a torch.nn.Sequential to train "
+                           "without pipeline parallelism")
+
+
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
@@ -58,6 +70,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     if model is None:
         raise ValueError("deepspeed.initialize: model is required (a torch.nn.Module)")
+    _check_not_pipeline(model)
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     _check_mesh(mesh_param)

@@ -1,6 +1,7 @@
 """Pipeline parallelism: ProcessTopology, PipelineModule/LayerSpec, the pipeline schedules and engine."""
 
 from ds_pipe.__about__ import __version__
+from ds_pipe.module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec
 from ds_pipe.schedule import (
     DataParallelSchedule,
     InferenceSchedule,
@@ -17,6 +18,10 @@ from ds_pipe.topology import (
 
 __all__ = [
     "DataParallelSchedule",
+    "LayerSpec",
+    "PipelineError",
+    "PipelineModule",
+    "TiedLayerSpec",
     "InferenceSchedule",
     "PipeInstruction",
     "PipeSchedule",
