@@ -70,6 +70,19 @@ PREAMBLE = textwrap.dedent("""
         w_again = acc.get_state_dict(model)
         return after == again, all(torch.equal(w_after[k], w_again[k]) for k in w_after)
 
+    def train_reference(reference):
+        # the epoch's 4 steps in one process: each global batch is 2 micro batches x 2 ranks of 4 samples
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        ref_norms = []
+        for start in range(0, 64, 16):
+            ref_opt.zero_grad()
+            loss = sum(torch.nn.functional.mse_loss(reference(X[i:i + 4]), Y[i:i + 4])
+                       for i in range(start, start + 16, 4)) / 4
+            loss.backward()
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item())
+            ref_opt.step()
+        return ref_norms
+
     def report(acc, **values):
         if acc.is_main_process:
             print("RESULT " + json.dumps(values), flush=True)
@@ -87,16 +100,7 @@ CLIENT = PREAMBLE + textwrap.dedent("""
     model, opt, dl = acc.prepare(model, opt, loader())
     losses, norms = train(acc, model, opt, None, dl, 16)  # the whole epoch: 4 optimizer steps
 
-    # the same steps in one process: each global batch is 2 micro batches x 2 ranks of 4 samples
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    ref_norms = []
-    for start in range(0, 64, 16):
-        ref_opt.zero_grad()
-        loss = sum(torch.nn.functional.mse_loss(reference(X[i:i + 4]), Y[i:i + 4])
-                   for i in range(start, start + 16, 4)) / 4
-        loss.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item())
-        ref_opt.step()
+    ref_norms = train_reference(reference)
     weights = acc.get_state_dict(model)
     max_diff = max((weights[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 

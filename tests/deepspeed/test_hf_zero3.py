@@ -171,16 +171,7 @@ ACCELERATE = common.PREAMBLE + textwrap.dedent("""
                       for p in model.module.parameters())
     losses, norms = train(acc, model, opt, None, dl, 16)  # the whole epoch: 4 optimizer steps
 
-    # the same steps in one process: each global batch is 2 micro batches x 2 ranks of 4 samples
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    ref_norms = []
-    for start in range(0, 64, 16):
-        ref_opt.zero_grad()
-        loss = sum(torch.nn.functional.mse_loss(reference(X[i:i + 4]), Y[i:i + 4])
-                   for i in range(start, start + 16, 4)) / 4
-        loss.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item())
-        ref_opt.step()
+    ref_norms = train_reference(reference)
     weights = acc.get_state_dict(model)  # collective: rank 0 gets the whole weights, the other rank nothing
     keys = sorted(weights)
     max_diff = max((weights[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if keys else None

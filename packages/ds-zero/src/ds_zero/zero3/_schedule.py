@@ -49,7 +49,12 @@ class ScheduleSettings:
 
 
 class GatherUnit:
-    """A module and the parameters gathered together for it."""
+    """A module and the parameters gathered together for it.
+
+    ``revision`` (shared by all units) counts changes of any unit's external parameters, so indexes built over
+    the units know when to rebuild without recounting them."""
+
+    revision = 0
 
     def __init__(self, module: torch.nn.Module, name: str, params: list[torch.nn.Parameter]) -> None:
         self.id = next(_UNIT_IDS)
@@ -60,6 +65,17 @@ class GatherUnit:
 
     def all_params(self) -> list[torch.nn.Parameter]:
         return self.params + self.external if self.external else self.params
+
+    def add_external(self, param: torch.nn.Parameter) -> None:
+        """Gather ``param`` with this unit from now on (a no-op when it already is)."""
+        if all(param is not q for q in self.all_params()):
+            self.external.append(param)
+            param.ds_external = True
+            GatherUnit.revision += 1
+
+    def remove_external(self, param: torch.nn.Parameter) -> None:
+        self.external = [q for q in self.external if q is not param]
+        GatherUnit.revision += 1
 
     def transient_numel(self) -> int:
         return sum(p.ds_numel for p in self.all_params() if not p.ds_persist)
@@ -106,8 +122,7 @@ def build_units(root: torch.nn.Module, is_leaf: Callable[[str, torch.nn.Module],
         module = unit.module_ref()
         module.__dict__["_z3_unit"] = unit
         for param in module.__dict__.get("_external_params", {}).values():
-            if all(param is not q for q in unit.all_params()):
-                unit.external.append(param)
+            unit.add_external(param)
     return units
 
 
@@ -184,7 +199,7 @@ class ParamScheduler:
         self._fetched_at: dict[int, int] = {}
         self._after_own_backward = False
         self._landed: dict[int, set[int]] = {}  # unit id -> ds_ids whose gradient landed in this backward
-        self._indexed_externals = -1
+        self._indexed_revision = -1
         self._params_cache: list[torch.nn.Parameter] | None = None  # unit id -> trace position of its last fetch
         self._handles: list[Any] = []
         self._name_params()
@@ -294,18 +309,14 @@ class ParamScheduler:
         for t in _tensors(output):
             if isinstance(t, torch.nn.Parameter) and is_partitioned(t) and self.stack:
                 owner = self.stack[-1]
-                if all(t is not q for q in owner.all_params()):
-                    owner.external.append(t)
-                    t.ds_external = True
+                owner.add_external(t)
                 t.ds_active_sub_modules.add(owner.id)
 
     def adopt_external(self, param: torch.nn.Parameter) -> None:
         unit = self.stack[-1]
         if unit.id in param.ds_active_sub_modules and param.ds_status is ZeroParamStatus.AVAILABLE:
             return  # the running unit's own parameter, or one it adopted already
-        if all(param is not q for q in unit.all_params()):
-            unit.external.append(param)
-            param.ds_external = True
+        unit.add_external(param)
         param.ds_active_sub_modules.add(unit.id)
         self._wait_or_gather([param])
 
@@ -327,13 +338,12 @@ class ParamScheduler:
                 self.after_backward(unit)
 
     def _units_of(self, param: torch.nn.Parameter) -> list[GatherUnit]:
-        externals = sum(len(u.external) for u in self.units)
-        if externals != self._indexed_externals:  # external parameters were added since the index was built
+        if GatherUnit.revision != self._indexed_revision:  # external parameters changed since the index was built
             self._unit_index: dict[int, list[GatherUnit]] = {}
             for unit in self.units:
                 for p in unit.all_params():
                     self._unit_index.setdefault(p.ds_id, []).append(unit)
-            self._indexed_externals = externals
+            self._indexed_revision = GatherUnit.revision
         return self._unit_index.get(param.ds_id, [])
 
     def after_backward(self, unit: GatherUnit) -> None:

@@ -316,8 +316,8 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     table = module.__dict__.setdefault("_external_params", {})
     table[id(parameter)] = parameter
     unit = getattr(module, "_z3_unit", None)
-    if unit is not None and all(parameter is not q for q in unit.all_params()):
-        unit.external.append(parameter)
+    if unit is not None:
+        unit.add_external(parameter)
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -330,4 +330,4 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
     del table[id(parameter)]
     unit = getattr(module, "_z3_unit", None)
     if unit is not None:
-        unit.external = [q for q in unit.external if q is not parameter]
+        unit.remove_external(parameter)
