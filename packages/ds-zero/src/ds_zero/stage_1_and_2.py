@@ -6,9 +6,10 @@ one :class:`~ds_zero._flat_group.FlatGroup` (the model's parameters turn into vi
 keeps its partition of fp32 masters and gradients), and the wrapped torch optimizer steps only this rank's
 fp32 partition (one flat tensor per group, so any elementwise torch optimizer works and per-group
 hyper-parameters and LR schedules keep working). A step: averaged gradient partitions (from the
-:class:`~ds_zero._reduce.PartitionedReducer`) -> global norm across partitions (one scalar all-reduce; inf/nan
-is an overflow on every rank) -> unscale and clip -> update -> write the new values into the model weights
-and gather every rank's partition. With ``offload_optimizer.device = cpu`` the masters and optimizer states
+:class:`~ds_zero._reduce.PartitionedReducer`) -> global norm across partitions (one scalar all-reduce, and one
+over the model-parallel group when there is one, leaving out fragments that another rank counts; inf/nan is an
+overflow on every rank) -> unscale and clip -> update -> write the new values into the model weights and gather
+every rank's partition. With ``offload_optimizer.device = cpu`` the masters and optimizer states
 live in CPU memory and ds-ops' ``DeepSpeedCPUAdam`` writes the updated low-precision weights in the same pass.
 
 The memory estimators live in ``ds_zero.estimate`` and are re-exported here, at DeepSpeed's module path.
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup, param_homes
 from ds_zero._gather import gather_method, gather_partitions
-from ds_zero._grad_norm import partitioned_norm
+from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
 from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
 from ds_zero._registry import register
@@ -77,17 +78,19 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
 
     ``names``: parameter -> name (for checkpoints); ``params``: the trainable parameters in model order
     (the reducer buckets them in reverse); ``loss_scaler``: an object with ``loss_scale``,
-    ``update_scale(overflow)`` and ``state_dict``/``load_state_dict``, or None.
+    ``update_scale(overflow)`` and ``state_dict``/``load_state_dict``, or None; ``norm_scope``: the
+    model-parallel ranks the gradient norm and overflow verdict span (``ds_zero._grad_norm.norm_scope(mpu)``).
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  names: dict[torch.nn.Parameter, str], settings: ZeroSettings, loss_scaler: Any = None,
-                 dp_group: Any = None, comm: Collectives = TORCH) -> None:
+                 dp_group: Any = None, comm: Collectives = TORCH, norm_scope: NormScope = LOCAL) -> None:
         self.optimizer = init_optimizer
         self.comm = comm
         self.settings = settings
         self.loss_scaler = loss_scaler
         self.dp_group = dp_group
+        self.norm_scope = norm_scope
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(dp_group) if distributed else 1
         self.rank = dist.get_rank(dp_group) if distributed else 0
@@ -96,6 +99,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self._cpu_adam = settings.offload_device == "cpu" and is_ds_cpu_optimizer(init_optimizer)
         self.groups = self._build_groups(names)
         self.home = param_homes(self.groups)
+        self._norm_runs = [self._partition_norm_runs(fg) for fg in self.groups]
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.reducer = PartitionedReducer(params, self.groups, self.home, self.get_grad, self.grad_dtype,
                                           settings.reduce, dp_group, self.world, settings.stage, comm)
@@ -166,8 +170,22 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
                 fg.collect_local_grads([self.get_grad(p) for p in fg.params])
             self.reducer.reduced = True
 
+    def _partition_norm_runs(self, fg: FlatGroup) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """``(counted, left out)`` runs of ``fg``'s gradient partition, or None when all of it counts (the
+        common case: the whole partition is normed in one call)."""
+        counts = [counts_in_norm(p, self.norm_scope) for p in fg.params]
+        return None if all(counts) else partition_runs(fg.own, counts)
+
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        return partitioned_norm(grads, self.comm, self.dp_group, self.world)
+        counted: list[torch.Tensor] = []
+        left_out: list[torch.Tensor] = []
+        for g, runs in zip(grads, self._norm_runs, strict=True):
+            if runs is None:
+                counted.append(g)
+                continue
+            counted += [g.narrow(0, start, numel) for start, numel in runs[0]]
+            left_out += [g.narrow(0, start, numel) for start, numel in runs[1]]
+        return partitioned_norm(counted, self.comm, self.dp_group, self.world, self.norm_scope, left_out)
 
     def step(self) -> bool:
         """Unscale, skip on overflow (every rank sees the same global norm), clip, update, gather weights."""

@@ -6,6 +6,10 @@ fp32; with an fp16 autocast dtype it carries a loss scaler like ``torch.amp.Grad
 optimizer, updates the masters and copies them back. With ``grad_accum_dtype=float32`` (bf16) each
 micro-step's low-precision gradient is added into an fp32 buffer as it lands, so accumulation over many
 micro-steps does not round in bf16.
+
+With model parallelism (``norm_scope`` from the mpu: pipeline stages, tensor slices) the clipping norm is the
+norm over every model-parallel rank's gradients (ds-zero's ``counts_in_norm`` rule) and an overflow on one
+rank makes every rank of the model-parallel and data-parallel groups skip the step.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed.runtime._loss_scaler import DynamicLossScaler, StaticLossScaler
+from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, model_parallel_norm
 from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._registry import register_masters
 
@@ -47,11 +52,12 @@ class FP32Optimizer(LossScaledWrapper):
     """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
-                 dp_group: Any = None, check_overflow: bool = False) -> None:
+                 dp_group: Any = None, check_overflow: bool = False, norm_scope: NormScope = LOCAL) -> None:
         self.optimizer = optimizer
         self.clip = float(clip)
         self.loss_scaler = loss_scaler
         self.dp_group = dp_group
+        self.norm_scope = norm_scope
         self.check_overflow = check_overflow or loss_scaler is not None
         self.global_grad_norm: float | None = None
         self.overflow = False
@@ -77,18 +83,31 @@ class FP32Optimizer(LossScaledWrapper):
     def _hp_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _hp_grads(self) -> list[torch.Tensor]:
-        """fp32 gradients aligned with the optimizer's parameters (those that have one)."""
-        return [p.grad for p in self._hp_params() if p.grad is not None]
+    def _hp_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(model parameter, its fp32 gradient) for the optimizer's parameters that have one."""
+        return [(p, p.grad) for p in self._hp_params() if p.grad is not None]
+
+    def _grad_norm(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
+        """The norm over every model-parallel rank (this rank's alone without model parallelism); a gradient
+        left out (another rank counts it) that is inf/nan still makes the norm nan (an overflow)."""
+        counted, left_out = [], []
+        for p, g in pairs:
+            (counted if counts_in_norm(p, self.norm_scope) else left_out).append(g)
+        norm = global_norm(counted)
+        if left_out and not math.isfinite(global_norm(left_out)):
+            norm = math.nan
+        return model_parallel_norm(norm, self.norm_scope)
 
     def _after_update(self) -> None:
         """Hook for wrappers that keep a separate copy of the weights."""
 
     def step(self) -> bool:
         """Unscale, skip on overflow (agreed across ranks), clip to ``clip`` (global norm), update."""
-        grads = self._hp_grads()
+        pairs = self._hp_grads()
+        grads = [g for _, g in pairs]
         need_norm = self.check_overflow or self.clip > 0
-        norm = global_norm(grads) / self.loss_scale if need_norm else None
+        # the model-parallel sum makes an overflow on any stage/slice non-finite on all; then the data-parallel MAX
+        norm = self._grad_norm(pairs) / self.loss_scale if need_norm else None
         overflow = self.check_overflow and _agree_on_overflow(norm is None or not math.isfinite(norm), self.dp_group)
         if self._skip_on_overflow(overflow):
             return False
@@ -132,8 +151,9 @@ class MixedPrecisionOptimizer(FP32Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
-                 dp_group: Any = None, check_overflow: bool = False, fp32_grad_accum: bool = False) -> None:
-        super().__init__(optimizer, clip, loss_scaler, dp_group, check_overflow)
+                 dp_group: Any = None, check_overflow: bool = False, fp32_grad_accum: bool = False,
+                 norm_scope: NormScope = LOCAL) -> None:
+        super().__init__(optimizer, clip, loss_scaler, dp_group, check_overflow, norm_scope)
         self.fp32_grad_accum = fp32_grad_accum
         self.model_params: list[torch.nn.Parameter] = []
         self.master_of: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
@@ -174,12 +194,14 @@ class MixedPrecisionOptimizer(FP32Optimizer):
     def grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
         return torch.float32 if self._accumulates(param) else param.dtype
 
-    def _hp_grads(self) -> list[torch.Tensor]:
+    def _hp_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(model parameter, its master's fp32 gradient): the model parameter carries the attributes that
+        decide whether it counts in the norm (``ds_pipe_replicated``, ``model_parallel``)."""
         if not self.fp32_grad_accum:
             for p in self.model_params:
                 master = self.master_of[p]
                 master.grad = None if p.grad is None else p.grad.to(torch.float32)
-        return [self.master_of[p].grad for p in self.model_params if self.master_of[p].grad is not None]
+        return [(p, self.master_of[p].grad) for p in self.model_params if self.master_of[p].grad is not None]
 
     def _after_update(self) -> None:
         masters = [self.master_of[p] for p in self.model_params]

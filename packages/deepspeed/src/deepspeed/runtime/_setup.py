@@ -21,6 +21,7 @@ from deepspeed.runtime._loss_scaler import DynamicLossScaler, build_loss_scaler
 from deepspeed.runtime._precision import FP32Optimizer, MixedPrecisionOptimizer
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
+from ds_zero._grad_norm import LOCAL, norm_scope
 
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -28,7 +29,9 @@ _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 @dataclass
 class StageInputs:
     """What a ZeRO stage builder gets: the model, its trainable parameters, the basic optimizer, the typed
-    config, and the data-parallel group and size."""
+    config, the data-parallel group and size, and the model-parallel unit the engine was given (``mpu``:
+    anything with ``get_model_parallel_group()`` and a tensor-parallel rank, e.g. ``PipelineParallelGrid``;
+    None without model parallelism), over whose ranks gradient norms and overflow verdicts are agreed."""
 
     module: torch.nn.Module
     params: list[torch.nn.Parameter]
@@ -37,6 +40,7 @@ class StageInputs:
     dp_group: Any
     dp_world_size: int
     scheduler: Any = None  # ZeRO-3: the partitioned model's gather/release scheduler
+    mpu: Any = None
 
 
 StageBuilder = Callable[[StageInputs], tuple[OptimizerWrapper, GradientReducer]]
@@ -141,9 +145,12 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
         raise ConfigError(ConfigProblem("amp.enabled", "NVIDIA Apex AMP is not available in this version; use "
                                         "\"bf16\", \"fp16\" or \"torch_autocast\" instead", True))
     clip = float(config.gradient_clipping)
-    common = dict(clip=clip, loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group)
+    scaler = _loss_scaler(config)
+    check = config.precision in ("fp16", "bf16") and (config.fp16_enabled or config.bf16.check_grad_overflow)
+    # only a wrapper that computes a norm (clipping, overflow checks) needs the mpu's model-parallel group
+    scope = norm_scope(inputs.mpu) if clip > 0 or check or scaler is not None else LOCAL
+    common = dict(clip=clip, loss_scaler=scaler, dp_group=inputs.dp_group, norm_scope=scope)
     if config.precision in ("fp16", "bf16"):
-        check = config.fp16_enabled or config.bf16.check_grad_overflow
         wrapper: OptimizerWrapper = MixedPrecisionOptimizer(inputs.basic_optimizer, check_overflow=check,
                                                             fp32_grad_accum=_grad_accum_fp32(config), **common)
     else:

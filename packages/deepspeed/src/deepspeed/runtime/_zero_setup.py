@@ -107,6 +107,7 @@ def _check_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> N
 def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """Stage 1 or 2 (``inputs.config.zero_stage``): the partitioned optimizer wrapper and its reducer."""
     from deepspeed.__about__ import __version__
+    from ds_zero._grad_norm import norm_scope
     from ds_zero.checkpoint import ZeroCheckpointShards
     from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -119,7 +120,8 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
         names.setdefault(p, name)
     # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
     wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
-                                     loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm)
+                                     loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm,
+                                     norm_scope=norm_scope(inputs.mpu))
     wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                       bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer
