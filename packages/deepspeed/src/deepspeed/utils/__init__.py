@@ -1,9 +1,10 @@
 """``deepspeed.utils``: the ``DeepSpeed`` logger and small helpers, and ZeRO's debug/modification APIs.
 
 Submodules: ``logging`` (logger, ``log_dist``), ``comms_logging`` (the ``comms_logger`` records),
-``zero_to_fp32`` (ds-zero's checkpoint converter). The ``safe_*`` functions come from ``ds_zero.debug`` and
-and the ZeRO-3 leaf-module functions (``set_z3_leaf_modules``, ...) from ``ds_zero.zero3.leaf``, and
-are imported on first use, so ``import deepspeed`` stays free of torch.
+``zero_to_fp32`` (ds-zero's checkpoint converter), ``groups`` (the data/model/tensor/sequence process-group
+accessors, read from the registered mpu). The ``safe_*`` functions come from ``ds_zero.debug`` and the ZeRO-3
+leaf-module functions (``set_z3_leaf_modules``, ...) from ``ds_zero.zero3.leaf``, and are imported on first use,
+so ``import deepspeed`` stays free of torch.
 """
 
 from typing import Any
@@ -30,10 +31,14 @@ _ZERO_DEBUG = (
 _Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
             "z3_leaf_parameter", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 
-__all__ = ["log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
+__all__ = ["RepeatingLoader", "log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "RepeatingLoader":  # DeepSpeed exports it here too (pipeline scripts import it from utils)
+        from deepspeed.runtime.dataloader import RepeatingLoader
+
+        return RepeatingLoader
     if name in _ZERO_DEBUG or name in _Z3_LEAF:
         import ds_zero.debug
         import ds_zero.zero3.leaf

@@ -1,0 +1,245 @@
+"""``deepspeed.utils.groups``: DeepSpeed's process-group accessors, all read from one registered mpu.
+
+The model-parallel unit (``ds_pipe.topology.PipelineParallelGrid``, a Megatron ``mpu``, ...) is the one source of
+groups: ``register_mpu(grid)``, or ``groups.mpu = grid`` as DeepSpeed clients write it. Each accessor asks the mpu
+first (through DeepSpeed's backward-compatible method names) and otherwise answers as DeepSpeed does without one:
+data parallelism spans the world (the default group), model/tensor/sequence parallelism have size 1 (a group of
+this rank alone, created on first use with a group-local barrier, so no other rank has to take part).
+
+"Model parallel" has two meanings here, as in DeepSpeed: ``_get_model_parallel_*`` is the mpu's model group (for
+the pipeline grid: every rank of one data-parallel replica, all stages and slices), while the public
+``get_model_parallel_*`` is the tensor-parallel group (DeepSpeed's 2-D data x tensor API).
+Expert-parallel groups are not here: they belong to Mixture of Experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "bwc_pipeline_parallel_group",
+    "bwc_pipeline_parallel_world_size",
+    "bwc_tensor_model_parallel_group",
+    "bwc_tensor_model_parallel_rank",
+    "bwc_tensor_model_parallel_world_size",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
+    "register_mpu",
+    "registered_mpu",
+    "set_tensor_model_parallel_rank",
+    "set_tensor_model_parallel_world_size",
+]
+
+mpu: Any = None
+"""The registered model-parallel unit (``None``: none), read by every accessor at call time."""
+
+# Method names, newest convention first: Megatron/DeepSpeed tensor API, DeepSpeed pipeline grid, old Megatron.
+_TENSOR = {kind: (f"get_tensor_model_parallel_{kind}", f"get_slice_parallel_{kind}", f"get_model_parallel_{kind}")
+           for kind in ("rank", "world_size", "group")}
+_PIPE = {kind: (f"get_pipeline_model_parallel_{kind}", f"get_pipe_parallel_{kind}") for kind in ("world_size", "group")}
+
+_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE: int | None = None  # set_tensor_model_parallel_world_size() override
+_MPU_TENSOR_MODEL_PARALLEL_RANK: int | None = None  # set_tensor_model_parallel_rank() override
+_SELF_GROUP: tuple[Any, ProcessGroup] | None = None  # (default group it was made under, group of this rank)
+
+
+def register_mpu(new_mpu: Any) -> None:
+    """Make ``new_mpu`` the source of every group (``None`` unregisters it)."""
+    global mpu
+    mpu = new_mpu
+
+
+def registered_mpu() -> Any:
+    """The registered mpu, or ``None``."""
+    return mpu
+
+
+# ---- backward-compatible lookups on an explicit mpu (DeepSpeed's deepspeed.utils.bwc) ------------------------
+def _method(obj: Any, names: Sequence[str]) -> Callable[[], Any] | None:
+    """``obj``'s first method among ``names`` (``None`` when ``obj`` is ``None`` or has none of them)."""
+    return next((getattr(obj, n) for n in names if obj is not None and hasattr(obj, n)), None)
+
+
+def _required_group(obj: Any, names: Sequence[str], what: str) -> ProcessGroup | None:
+    if obj is None:
+        return None
+    method = _method(obj, names)
+    if method is None:
+        raise AttributeError(f"mpu {type(obj).__name__} has no {what} group: it defines none of {list(names)}")
+    return method()
+
+
+def bwc_tensor_model_parallel_rank(mpu: Any = None) -> int:
+    """This rank's tensor-parallel rank from ``mpu`` (0 without one or without a tensor/slice/model API)."""
+    method = _method(mpu, _TENSOR["rank"])
+    return 0 if method is None else method()
+
+
+def bwc_tensor_model_parallel_world_size(mpu: Any = None) -> int:
+    """The tensor-parallel size from ``mpu`` (1 without one or without a tensor/slice/model API)."""
+    method = _method(mpu, _TENSOR["world_size"])
+    return 1 if method is None else method()
+
+
+def bwc_tensor_model_parallel_group(mpu: Any = None) -> ProcessGroup | None:
+    """The tensor-parallel group from ``mpu`` (``None`` without an mpu; AttributeError if it has no such API)."""
+    return _required_group(mpu, _TENSOR["group"], "tensor-parallel")
+
+
+def bwc_pipeline_parallel_world_size(mpu: Any = None) -> int:
+    """The number of pipeline stages from ``mpu`` (1 without one or without a pipeline API)."""
+    method = _method(mpu, _PIPE["world_size"])
+    return 1 if method is None else method()
+
+
+def bwc_pipeline_parallel_group(mpu: Any = None) -> ProcessGroup | None:
+    """The pipeline group from ``mpu`` (``None`` without an mpu; AttributeError if it has no pipeline API)."""
+    return _required_group(mpu, _PIPE["group"], "pipeline")
+
+
+# ---- the registered mpu, or DeepSpeed's answer without one -------------------------------------------------------
+def _require_dist() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("deepspeed.utils.groups: torch.distributed is not initialised; call "
+                           "deepspeed.init_distributed() (or deepspeed.initialize) before asking for process groups")
+
+
+def _from_mpu(names: Sequence[str], fallback: Callable[[], Any]) -> Any:
+    """The registered mpu's answer (its first method among ``names``), else ``fallback()``."""
+    _require_dist()
+    method = _method(mpu, names)
+    return fallback() if method is None else method()
+
+
+def _self_group() -> ProcessGroup:
+    """A group of this rank alone, made once per default group; only this rank takes part in creating it."""
+    global _SELF_GROUP
+    world = dist.group.WORLD
+    if _SELF_GROUP is None or _SELF_GROUP[0] is not world:
+        rank = dist.get_rank()
+        if dist.get_backend() == "mpi":  # no group-local creation: every rank makes every singleton, in order
+            group = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+        else:
+            group = dist.new_group([rank], use_local_synchronization=True)
+        _SELF_GROUP = (world, group)
+    return _SELF_GROUP[1]
+
+
+def _get_data_parallel_group() -> ProcessGroup:
+    """The data-parallel group: the mpu's, else the whole world."""
+    return _from_mpu(("get_data_parallel_group",), lambda: dist.group.WORLD)
+
+
+def _get_data_parallel_world_size() -> int:
+    return _from_mpu(("get_data_parallel_world_size",), lambda: dist.get_world_size(_get_data_parallel_group()))
+
+
+def _get_data_parallel_rank() -> int:
+    return dist.get_rank(group=_get_data_parallel_group())
+
+
+def _get_data_parallel_group_ranks() -> list[int]:
+    """The global ranks of this rank's data-parallel group."""
+    return list(_from_mpu(("get_data_parallel_group_ranks",),
+                          lambda: dist.get_process_group_ranks(_get_data_parallel_group())))
+
+
+def _get_model_parallel_group() -> ProcessGroup:
+    """The mpu's model group (pipeline grid: this rank's whole replica), else this rank alone."""
+    return _from_mpu(("get_model_parallel_group",), _self_group)
+
+
+def _get_model_parallel_world_size() -> int:
+    return _from_mpu(("get_model_parallel_world_size",), lambda: 1)
+
+
+def _get_model_parallel_rank() -> int:
+    return _from_mpu(("get_model_parallel_rank",), lambda: 0)
+
+
+def _get_sequence_parallel_group() -> ProcessGroup:
+    """The mpu's sequence-parallel group, else this rank alone."""
+    return _from_mpu(("get_sequence_parallel_group",), _self_group)
+
+
+def _get_sequence_parallel_world_size() -> int:
+    return _from_mpu(("get_sequence_parallel_world_size",), lambda: 1)
+
+
+def _get_sequence_parallel_rank() -> int:
+    return _from_mpu(("get_sequence_parallel_rank",), lambda: 0)
+
+
+def _get_sequence_data_parallel_group() -> ProcessGroup:
+    """Data x sequence parallel (ZeRO partitioning and gradient reduction): the mpu's, else the data group."""
+    return _from_mpu(("get_sequence_data_parallel_group",), _get_data_parallel_group)
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return _from_mpu(("get_sequence_data_parallel_world_size",), _get_data_parallel_world_size)
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return _from_mpu(("get_sequence_data_parallel_rank",), _get_data_parallel_rank)
+
+
+def _get_broadcast_src_rank() -> int:
+    """The global rank of the first member of the sequence-data-parallel group (the source of broadcasts)."""
+    return dist.get_global_rank(_get_sequence_data_parallel_group(), 0)
+
+
+# ---- the public tensor-parallel API --------------------------------------------------------------------------
+def get_tensor_model_parallel_group() -> ProcessGroup:
+    """The mpu's tensor group (tensor, else slice, else model API), else this rank alone."""
+    return _from_mpu(_TENSOR["group"], _self_group)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """The tensor-parallel size (a ``set_tensor_model_parallel_world_size`` value wins)."""
+    if _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    return _from_mpu(_TENSOR["world_size"], lambda: 1)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's tensor-parallel rank (a ``set_tensor_model_parallel_rank`` value wins)."""
+    if _MPU_TENSOR_MODEL_PARALLEL_RANK is not None:
+        return _MPU_TENSOR_MODEL_PARALLEL_RANK
+    return _from_mpu(_TENSOR["rank"], lambda: 0)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of tensor-parallel rank 0 in this rank's tensor group."""
+    return dist.get_global_rank(get_tensor_model_parallel_group(), 0)
+
+
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the reported tensor-parallel size (``None`` clears it)."""
+    global _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    """Override the reported tensor-parallel rank (``None`` clears it)."""
+    global _MPU_TENSOR_MODEL_PARALLEL_RANK
+    _MPU_TENSOR_MODEL_PARALLEL_RANK = rank
+
+
+get_model_parallel_group = get_tensor_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
+get_data_parallel_group = _get_data_parallel_group
+get_data_parallel_world_size = _get_data_parallel_world_size
+get_data_parallel_rank = _get_data_parallel_rank
