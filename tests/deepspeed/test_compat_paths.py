@@ -244,10 +244,7 @@ def test_paths_of_features_not_built_yet_say_so(tmp_path):
     kind, name, message = out["deepspeed.moe.layer"]
     assert (kind, name) == ("FeatureNotAvailable", "deepspeed.moe")
     assert "Mixture of Experts" in message and "does not provide yet" in message
-    assert out["deepspeed.pipe"] == "imported"  # PipelineModule/LayerSpec are served; only the engine is not
-    assert out["deepspeed.runtime.pipe.engine"][:2] == ["FeatureNotAvailable", "deepspeed.runtime.pipe.engine"]
-    assert out["deepspeed.runtime.pipe.engine"][2].startswith(
-        "module 'deepspeed.runtime.pipe.engine' is part of the pipeline engine")
+    assert out["deepspeed.pipe"] == "imported" and out["deepspeed.runtime.pipe.engine"] == "imported"
     assert "inference" in out["deepspeed.inference.engine"][2]
     assert out["hasattr"] == [False, False, True]
     assert out["attr"].startswith("deepspeed.init_inference is part of inference")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _harness import run_distributed
 from torch import nn
 
 from ds_pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -192,7 +193,7 @@ def test_checkpoint_paths(tmp_path):
 
 # ---------------------------------------------------------------- served paths
 
-def test_served_by_deepspeed_pipe_and_initialize_says_engine_not_built():
+def test_served_by_deepspeed_pipe_and_initialize_builds_the_pipeline_engine():
     import deepspeed
     import deepspeed.pipe
     import deepspeed.runtime.pipe.module
@@ -202,9 +203,19 @@ def test_served_by_deepspeed_pipe_and_initialize_says_engine_not_built():
     assert deepspeed.pipe.PipelineModule is PipelineModule and deepspeed.pipe.LayerSpec is LayerSpec
     assert deepspeed.pipe.TiedLayerSpec is TiedLayerSpec
     assert deepspeed.pipe.ProcessTopology.__name__ == "ProcessTopology"
-    pipe = PipelineModule(_specs(2), num_stages=1)
-    with pytest.raises(RuntimeError, match="PipelineModule.*pipeline engine"):
-        deepspeed.initialize(model=pipe, config={"train_batch_size": 1})
+    first, second, kind = run_distributed(_train_one_stage, world_size=1, timeout=60)[0]
+    assert kind == "PipelineEngine" and second < first
+
+
+def _train_one_stage():
+    import deepspeed
+
+    pipe = PipelineModule(_specs(2), num_stages=1, loss_fn=lambda out, labels: out.square().mean())
+    engine, *_ = deepspeed.initialize(model=pipe, config={"train_batch_size": 2, "optimizer": {"type": "SGD",
+                                                                                              "params": {"lr": 0.1}}})
+    assert engine.is_first_stage() and engine.is_last_stage()
+    data = iter([(torch.ones(2, 4), None)] * 2)
+    return float(engine.train_batch(data)), float(engine.train_batch(data)), type(engine).__name__
 
 
 # ---------------------------------------------------------------- bad input

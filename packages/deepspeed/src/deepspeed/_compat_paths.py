@@ -57,7 +57,6 @@ COMPAT_PATHS: dict[str, str] = {
 
 NOT_BUILT: dict[str, str] = {
     # documented module path (and everything below it) -> the feature it belongs to, not built in this version
-    "deepspeed.runtime.pipe.engine": "the pipeline engine (PipelineEngine, deepspeed.initialize of a PipelineModule)",
     "deepspeed.moe": "Mixture of Experts (deepspeed.moe.layer.MoE, expert parallelism, AutoEP)",
     "deepspeed.inference.engine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",

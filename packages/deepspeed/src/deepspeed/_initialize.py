@@ -45,16 +45,12 @@ def _check_mesh(mesh_param: Any) -> None:
                          f"(world size {dist.get_world_size()}, 1) is available in this version")
 
 
-def _check_not_pipeline(model: Any) -> None:
-    """A ``PipelineModule`` needs the pipeline engine, which this version does not have yet."""
+def _pipeline_module(model: Any) -> Any:
+    """``model`` when it is a ``PipelineModule`` (trained by the ``PipelineEngine``), else None."""
     import sys
 
     module = sys.modules.get("ds_pipe.module")  # a PipelineModule instance means ds_pipe.module is imported
-    if module is not None and isinstance(model, module.PipelineModule):
-        raise RuntimeError("deepspeed.initialize: model is a PipelineModule, which trains with the pipeline engine "
-                           "(PipelineEngine); the pipeline engine is not built in this version yet. PipelineModule "
-                           "itself (deepspeed.pipe) is available: wrap its layers in a torch.nn.Sequential to train "
-                           "without pipeline parallelism")
+    return model if module is not None and isinstance(model, module.PipelineModule) else None
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -70,19 +66,29 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     if model is None:
         raise ValueError("deepspeed.initialize: model is required (a torch.nn.Module)")
-    _check_not_pipeline(model)
+    pipe = _pipeline_module(model)
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     _check_mesh(mesh_param)
+    engine_class: Any = DeepSpeedEngine
+    if pipe is not None:
+        from deepspeed.runtime.pipe.engine import PipelineEngine, pipeline_mpu
+
+        mpu, engine_class = pipeline_mpu(pipe, mpu), PipelineEngine
+    if mpu is not None:
+        from deepspeed.utils import groups
+
+        groups.register_mpu(mpu)  # deepspeed.utils.groups' accessors read the same groups the engine uses
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     ds_config = load_config(source)
     ds_config.require_resolved()  # every key still "auto" in one error, before the batch arithmetic
     ds_config.resolve_batch(dp_world)
+    if pipe is not None:
+        ds_config.check_pipeline(pipe.num_stages)
     comm.configure(ds_config)
-    engine = DeepSpeedEngine(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,
-                             lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
-                             mpu=mpu)
+    engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,
+                          lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -221,6 +221,7 @@ class PipelineModule(nn.Module):
         self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
         self.seed_layers = seed_layers
+        self.partition_method = partition_method
         self.seed_fn = seed_fn
         self.base_seed = base_seed
         self._topo = _resolve_topology(num_stages, topology)

@@ -120,7 +120,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
         trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
-                                    self.dp_world_size, scheduler=self.zero3_scheduler)
+                                    self.dp_world_size, scheduler=self.zero3_scheduler, mpu=self.mpu)
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
@@ -227,14 +227,21 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         self._require_optimizer("backward")
         self._record_loss(loss)
-        self.timers.start(BACKWARD)
-        started, reduce_before = time.perf_counter(), self.timers.elapsed_ms[BACKWARD_REDUCE]
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
+        scaled = self.optimizer.scale_loss(loss)
+        self._run_backward(lambda: scaled.backward(retain_graph=retain_graph))
+        return loss
+
+    def _run_backward(self, run: Any) -> None:
+        """Run ``run()`` (a backward over gradients that are already loss-scaled) as the engine's backward: the
+        gradient hooks do their precision bookkeeping and, on a syncing micro-step, the reduction; timed."""
+        self.timers.start(BACKWARD)
+        started, reduce_before = time.perf_counter(), self.timers.elapsed_ms[BACKWARD_REDUCE]
         self._scaled = self._engine_backward = True
         try:
-            self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+            run()
             if not self._in_backward:  # no gradient reached our parameters: still meet the other ranks
                 self._syncing = self._should_sync()
             self._end_of_backward()
@@ -243,7 +250,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.timers.stop(BACKWARD)
         reduced_ms = self.timers.elapsed_ms[BACKWARD_REDUCE] - reduce_before
         self.timers.add(BACKWARD_INNER, (time.perf_counter() - started) * 1e3 - reduced_ms)
-        return loss
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         detached = loss.detach().float().reshape(())

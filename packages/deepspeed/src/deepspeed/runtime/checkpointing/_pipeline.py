@@ -22,18 +22,26 @@ from deepspeed.runtime.checkpointing._state import ShardContext
 class PipelineLayerShards:
     """A :class:`CheckpointShards` extension for one pipeline stage.
 
-    ``layers``: ``(global layer index, layer module)`` for the stage's layers that hold state (DeepSpeed skips
-    parameter-free layers), in order.
+    ``layers``: ``(global layer index, layer module)`` for the stage's layers that have a state dict (DeepSpeed
+    writes every ``nn.Module`` layer, parameter-free ones too, and skips plain functions), in order.
+    ``file_name(index)``: the layer's file name inside the tag directory (default
+    ``layer_XX-model_YY-model_states.pt`` with this rank's model-parallel rank; the pipeline engine passes
+    ``PipelineModule.ckpt_layer_path``'s, which has no ``-model_YY`` part without a model axis).
     """
 
     owns_optimizer_state = False
     owns_module_state = True
 
-    def __init__(self, layers: Sequence[tuple[int, torch.nn.Module]]) -> None:
+    def __init__(self, layers: Sequence[tuple[int, torch.nn.Module]],
+                 file_name: Callable[[int], str] | None = None) -> None:
         indices = [index for index, _ in layers]
         if len(set(indices)) != len(indices) or any(index < 0 for index in indices):
             raise ValueError(f"PipelineLayerShards: layer indices must be distinct and >= 0, got {indices}")
         self.layers = list(layers)
+        self.file_name = file_name
+
+    def _name(self, index: int, ctx: ShardContext) -> str:
+        return self.file_name(index) if self.file_name is not None else layer_states_name(index, ctx.parallel.mp_rank)
 
     def model_state_extras(self) -> Mapping[str, Any]:
         return {}
@@ -43,14 +51,14 @@ class PipelineLayerShards:
         mine = pipeline_layer_range(len(self.layers), ctx.parallel.dp_rank, ctx.parallel.dp_world_size,
                                     ctx.config.parallel_write.pipeline_stage)
         return {
-            layer_states_name(index, ctx.parallel.mp_rank): module_state_dict(layer, ctx.exclude_frozen_parameters)
+            self._name(index, ctx): module_state_dict(layer, ctx.exclude_frozen_parameters)
             for index, layer in self.layers[mine.start:mine.stop]
         }
 
     def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
         """Every layer of the stage, with ``load_module_strict`` / ``custom_load_fn`` as for a whole module."""
         for index, layer in self.layers:
-            name = layer_states_name(index, ctx.parallel.mp_rank)
+            name = self._name(index, ctx)
             weights = load(name)
             if ctx.custom_load_fn is not None:
                 ctx.custom_load_fn(src=weights, dst=layer)

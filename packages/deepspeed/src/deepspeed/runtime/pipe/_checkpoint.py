@@ -1,0 +1,162 @@
+"""Pipeline checkpoints: DeepSpeed's layout, and loading onto another number of stages.
+
+A stage writes its layers as ``layer_XX-model_states.pt`` files (``PipelineModule.ckpt_layer_path``: the global
+layer index, plus ``-model_YY`` with a model axis) and ``mp_rank_SS_model_states.pt`` (``module: None``; its
+optimizer, schedule and counters; SS = the rank inside the pipeline). Two keys are added to the latter: the
+partition (``pipeline_parts``) and the global names of the optimizer's parameters in its order
+(``pipeline_param_names``; parameter names of a ``PipelineModule`` are global layer indices, so a name means the
+same parameter whatever the partition).
+
+Loading with the same partition is the base engine's load. With another partition (a different number of stages,
+or other boundaries) the layers load from their files by global index, counters and LR schedule come from
+``mp_rank_00``, and the optimizer state of each parameter is found by name in every old stage's file (the stage-0
+wrappers; ZeRO-1's partitioned state loads only onto the same partition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepspeed.runtime import checkpointing
+from deepspeed.runtime._precision import FP32Optimizer
+from deepspeed.runtime.checkpointing import CheckpointError, PipelineLayerShards, load_file, model_states_name
+
+_PARTS = "pipeline_parts"
+_NAMES = "pipeline_param_names"
+
+
+class _StageExtras:
+    """The two keys this stage adds to its model-states file (no files of its own)."""
+
+    owns_optimizer_state = False
+    owns_module_state = False
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def model_state_extras(self) -> dict[str, Any]:
+        return {_PARTS: list(self.engine.module.parts), _NAMES: _optimizer_param_names(self.engine)}
+
+    def files_to_save(self, ctx: Any) -> dict[str, Any]:
+        return {}
+
+    def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """Tied copies that were not saved as layers (``TiedLayerSpec(forward_fn=...)``) take the loaded one."""
+        self.engine.module._synchronize_tied_weights()
+
+
+def stage_shards(engine: Any) -> tuple[Any, ...]:
+    """The checkpoint extensions of one pipeline stage: its layer files and its model-states keys."""
+    module = engine.module
+    layers = [(module._local_start + i, f) for i, f in enumerate(module.forward_funcs)
+              if isinstance(f, torch.nn.Module)]
+    by_index = {index: module.ckpt_layer_path("", index - module._local_start) for index, _ in layers}
+    return PipelineLayerShards(layers, file_name=lambda index: os.path.basename(by_index[index])), _StageExtras(engine)
+
+
+def _optimizer_model_params(wrapper: Any) -> list[torch.nn.Parameter] | None:
+    """The model parameters behind the stage-0 wrapper's optimizer entries, in its state-dict order."""
+    if not isinstance(wrapper, FP32Optimizer):
+        return None  # no optimizer, or ZeRO (partitioned state)
+    model_params = getattr(wrapper, "model_params", None)
+    if model_params is not None:
+        return list(model_params)
+    return [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_param_names(engine: Any) -> list[str] | None:
+    params = _optimizer_model_params(engine.optimizer)
+    if params is None:
+        return None
+    names: dict[int, str] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return [names[id(p)] for p in params]
+
+
+def load(engine: Any, base_load: Callable[..., Any], load_dir: str, tag: Any, **kwargs: Any) -> Any:
+    """``engine.load_checkpoint``: the base load when the partition is unchanged, else the re-partitioning load."""
+    tag = tag if tag is not None else checkpointing.read_latest(load_dir)
+    if tag is None:
+        return base_load(load_dir, None, **kwargs)
+    first = os.path.join(load_dir, str(tag), model_states_name(0))
+    if not os.path.isfile(first):
+        return base_load(load_dir, tag, **kwargs)
+    saved = torch.load(first, map_location="cpu", weights_only=True, mmap=True)
+    parts = saved.get(_PARTS)
+    if parts is None or list(parts) == list(engine.module.parts):
+        return base_load(load_dir, tag, **kwargs)
+    return _load_repartitioned(engine, load_dir, str(tag), saved, **kwargs)
+
+
+def _load_repartitioned(engine: Any, load_dir: str, tag: str, first: dict[str, Any], load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> Any:
+    module = engine.module
+    if first[_PARTS][-1] != module.parts[-1]:
+        raise CheckpointError(f"{load_dir}/{tag}: the checkpoint's pipeline has {first[_PARTS][-1]} layers, this "
+                              f"PipelineModule has {module.parts[-1]}: they are different models")
+    restore_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    if restore_optimizer and _optimizer_model_params(engine.optimizer) is None:
+        raise CheckpointError(f"{load_dir}/{tag} was saved with pipeline partition {first[_PARTS]}, this engine runs "
+                              f"{module.parts}: ZeRO's partitioned optimizer state loads only onto the same "
+                              "partition; pass load_optimizer_states=False (weights, schedule and counters load) or "
+                              "use the saved number of stages")
+    state = checkpointing.as_engine_state(engine)
+    state = dataclasses.replace(state, parallel=dataclasses.replace(state.parallel, mp_rank=0),
+                                shards=tuple(stage_shards(engine)))
+    path, client_state = checkpointing.load_checkpoint(
+        state, load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=False,
+        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        custom_load_fn=custom_load_fn)
+    if engine.optimizer is not None:
+        if restore_optimizer:
+            engine.optimizer.load_state_dict(_gather_optimizer_state(engine, load_dir, tag, first))
+        else:
+            engine.optimizer.sync_master_from_model()
+    if client_state is not None:
+        client_state = {k: v for k, v in client_state.items() if k not in ("optimizer", _PARTS, _NAMES)}
+    return path, client_state
+
+
+def _gather_optimizer_state(engine: Any, load_dir: str, tag: str, first: dict[str, Any]) -> dict[str, Any]:
+    """This stage's optimizer state dict, assembled by parameter name from every saved stage's file."""
+    by_name: dict[str, tuple[dict[str, Any], Any]] = {}
+    groups = scaler = None
+    for mp_rank in range(int(first.get("mp_world_size", 1))):
+        path = os.path.join(load_dir, tag, model_states_name(mp_rank))
+        saved = first if mp_rank == 0 else load_file(path)
+        names, optimizer = saved.get(_NAMES), saved.get("optimizer")
+        if names is None or optimizer is None:
+            raise CheckpointError(f"{path}: no optimizer state by parameter name (saved without an optimizer, or by "
+                                  "ZeRO); load with load_optimizer_states=False")
+        inner = optimizer["optimizer_state_dict"]
+        masters = optimizer.get("fp32_master_weights")
+        groups = groups if groups is not None else inner["param_groups"]
+        scaler = scaler if scaler is not None else optimizer.get("loss_scaler")
+        for index, name in enumerate(names):
+            by_name.setdefault(name, (inner["state"].get(index, {}), None if masters is None else masters[index]))
+    mine = _optimizer_param_names(engine)
+    missing = [name for name in mine if name not in by_name]
+    if missing:
+        raise CheckpointError(f"{load_dir}/{tag}: no optimizer state for parameters {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''} in any stage's file")
+    current = engine.optimizer.optimizer.state_dict()["param_groups"]
+    if len(groups) != len(current):
+        raise CheckpointError(f"{load_dir}/{tag}: the checkpoint's optimizer has {len(groups)} parameter groups, "
+                              f"this one {len(current)}")
+    param_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": now["params"]}
+                    for saved, now in zip(groups, current, strict=True)]
+    result: dict[str, Any] = {"optimizer_state_dict": {
+        "state": {i: by_name[name][0] for i, name in enumerate(mine) if by_name[name][0]},
+        "param_groups": param_groups}}
+    if hasattr(engine.optimizer, "master_of"):
+        result["fp32_master_weights"] = [by_name[name][1] for name in mine]
+    if scaler is not None:
+        result["loss_scaler"] = scaler
+    return result
