@@ -277,3 +277,18 @@ def test_random_configs_give_a_result_or_a_config_error(configs):
             assert err.paths
             return
     assert set(cfg.model).isdisjoint(cfg.deepspeed) and isinstance(cfg.launcher.master_port, int)
+
+
+def test_pipeline_args_follow_gpt_neox():
+    from ds_config.neox import merge, pipeline_args
+
+    default = pipeline_args(merge({}))
+    assert default == {"num_stages": 1, "partition_method": "type:transformer|mlp",
+                       "activation_checkpoint_interval": 0,
+                       "checkpointable_layers": ["ParallelTransformerLayerPipe", "GMLPBlock"], "base_seed": 1234}
+    cfg = merge({"pipe-parallel-size": 4, "pipe_partition_method": "uniform", "checkpoint-activations": True,
+                 "checkpoint-num-layers": 2, "seed": 7})
+    assert not cfg.unknown_keys
+    got = pipeline_args(cfg)
+    assert (got["num_stages"], got["partition_method"], got["activation_checkpoint_interval"], got["base_seed"]) == \
+        (4, "uniform", 2, 7)

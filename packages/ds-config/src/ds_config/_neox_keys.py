@@ -96,6 +96,9 @@ _TABLE = [
     NeoxKey("Meg", "fp16-lm-cross-entropy", False, BOOL),
     NeoxKey("Meg", "model-parallel-size", 1, INT),
     NeoxKey("Meg", "pipe-parallel-size", 0, INT),
+    # not in the reference table, but GPT-NeoX's own parallelism argument (NeoXArgsParallelism), read by its
+    # PipelineModule: known here so NeoX configs that set it load without an unknown-key warning
+    NeoxKey("NeoX", "pipe-partition-method", "type:transformer|mlp", STR),
     NeoxKey("Meg", "distributed-backend", "nccl", ("nccl", "gloo", "mpi")),
     NeoxKey("Meg", "DDP-impl", "local", ("local", "torch")),
     NeoxKey("Meg", "local_rank", None, INT),

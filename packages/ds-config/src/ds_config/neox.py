@@ -29,7 +29,9 @@ from ds_config._base import UnknownConfigKeyWarning
 from ds_config._errors import ConfigError, ConfigProblem, did_you_mean
 from ds_config._neox_keys import BOOL, DICT, FLOAT, INT, KEYS, LAUNCHER_KEYS, LIST, STR, NeoxKey
 
-__all__ = ["NeoxConfig", "NeoxLauncher", "load", "merge"]
+__all__ = ["NeoxConfig", "NeoxLauncher", "load", "merge", "pipeline_args"]
+
+_NEOX_CHECKPOINTABLE = ["ParallelTransformerLayerPipe", "GMLPBlock"]
 
 _LOWER = {k.lower(): k for k in KEYS}
 
@@ -87,6 +89,20 @@ def load(*yaml_paths: str | os.PathLike[str], strict: bool = False) -> NeoxConfi
 def merge(*configs: Mapping[str, Any], strict: bool = False, sources: Sequence[str] = ()) -> NeoxConfig:
     """Merge already-parsed NeoX config mappings (later ones win) and split them like :func:`load`."""
     return _merge(configs, strict, tuple(sources), stacklevel=4)
+
+
+def pipeline_args(config: NeoxConfig) -> dict[str, Any]:
+    """The ``PipelineModule`` keyword arguments GPT-NeoX derives from its config (as its ``GPT2ModelPipe`` does):
+    ``num_stages`` (``pipe_parallel_size``; at least 1), ``partition_method`` (``pipe_partition_method``),
+    ``activation_checkpoint_interval`` (``checkpoint_num_layers`` when ``checkpoint_activations``, else 0),
+    ``checkpointable_layers`` (NeoX's transformer and gMLP layer classes) and ``base_seed`` (``seed``)."""
+    model = config.model
+    return {"num_stages": max(int(model["pipe_parallel_size"]), 1),
+            "partition_method": model["pipe_partition_method"],
+            "activation_checkpoint_interval": int(model["checkpoint_num_layers"]) if model["checkpoint_activations"]
+            else 0,
+            "checkpointable_layers": list(_NEOX_CHECKPOINTABLE),
+            "base_seed": int(model["seed"])}
 
 
 def _merge(configs: Sequence[Mapping[str, Any]], strict: bool, sources: tuple[str, ...],
