@@ -10,6 +10,7 @@ imports this package and must start without paying for torch; its ranks import t
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 from deepspeed import _compat
@@ -17,9 +18,20 @@ from deepspeed.__about__ import __version__
 
 _compat.install()
 
+version = __version__  # DeepSpeed's names for it (deepspeed.git_version_info.version is the same string)
+__version_major__, __version_minor__, __version_patch__ = (int(p) for p in re.findall(r"\d+", __version__)[:3])
+
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
     "DeepSpeedConfig": ("ds_config", "DeepSpeedConfig"),
+    # DeepSpeed's config exception is ds_config's ConfigError itself (a ValueError), so
+    # ``except deepspeed.DeepSpeedConfigError`` catches every config error this package raises
+    "DeepSpeedConfigError": ("ds_config", "ConfigError"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
+    "git_hash": ("deepspeed.git_version_info", "git_hash"),
+    "git_branch": ("deepspeed.git_version_info", "git_branch"),
+    "__git_hash__": ("deepspeed.git_version_info", "git_hash"),
+    "__git_branch__": ("deepspeed.git_version_info", "git_branch"),
     "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
     "PipelineModule": ("ds_pipe.module", "PipelineModule"),
     "add_config_arguments": ("deepspeed._initialize", "add_config_arguments"),
@@ -30,7 +42,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "logger": ("deepspeed.utils", "logger"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "version", *_LAZY]
 
 
 _submodule = _compat.submodule_getattr(__name__)

@@ -29,12 +29,23 @@ from ds_ops.op_builder import (
 _OK, _NO = "[OKAY]", "[NO]"
 
 
+def _deepspeed_version() -> str:
+    """The DeepSpeed API version the installed meta-package serves (ds-ops cannot import it: read its metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "not installed (ds-ops alone)"
+
+
 def environment_lines() -> list[tuple[str, str]]:
     """(label, value) pairs describing torch, CUDA, the toolchain and the CPU."""
     cxx = _toolchain.compiler_path()
     ninja = _toolchain.ninja_path()
     cuda = torch.cuda.is_available()
     return [
+        ("deepspeed version", _deepspeed_version()),
         ("ds-ops version", __version__),
         ("torch version", torch.__version__),
         ("torch install path", os.path.dirname(torch.__file__)),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import decimal
+import glob
 import json
 import logging
 import math
@@ -37,7 +38,10 @@ __all__ = [
     "LazyTensor",
     "ZeroToFp32Error",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_checkpoint_files",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_files",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
     "main",
 ]
@@ -232,6 +236,29 @@ def _rank_files(tag_dir: str, pattern: re.Pattern[str]) -> dict[int | None, str]
                                   "checkpoints with tensor/model parallelism (mp_world_size > 1) are not supported")
         found[None if match.group(1) is None else int(match.group(1))] = os.path.join(tag_dir, name)
     return found
+
+
+def _natural_key(path: str) -> list[int | str]:
+    """Sort key putting ``zero_pp_rank_2`` before ``zero_pp_rank_10`` (numbers compare as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike, glob_pattern: str) -> list[str]:
+    """The files of a tag folder matching ``glob_pattern``, in natural order (DeepSpeed's helper)."""
+    files = sorted(glob.glob(os.path.join(os.fspath(checkpoint_dir), glob_pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{os.fspath(checkpoint_dir)}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Every rank's ``*_optim_states.pt`` in the tag folder ``checkpoint_dir``, rank 0 first."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Every ``*_model_states.pt`` in the tag folder ``checkpoint_dir`` (one per rank under ZeRO-3), in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 def _optimizer_section(state: Any, path: str) -> Mapping[str, Any]:

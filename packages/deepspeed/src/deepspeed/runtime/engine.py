@@ -73,7 +73,10 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.flops_profiler = _setup.build_flops_profiler(self.module, config, self)
         if config.compile.enabled or config.compile.deepcompile:
             self.compile()
-        log_dist(f"DeepSpeed info: version={__version__}, git-hash=unknown, git-branch=unknown", ranks=[0])
+        from deepspeed import git_version_info
+
+        log_dist(f"DeepSpeed info: version={__version__}, git-hash={git_version_info.git_hash}, "
+                 f"git-branch={git_version_info.git_branch}", ranks=[0])
         if config.dump_state:
             log_dist(f"DeepSpeedEngine configuration: {self.config}", ranks=[0])
 

@@ -31,7 +31,7 @@ _ZERO_DEBUG = (
 _Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
             "z3_leaf_parameter", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
+__all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
 
 
 def __getattr__(name: str) -> Any:
@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from deepspeed.runtime.dataloader import RepeatingLoader
 
         return RepeatingLoader
+    if name == "OnDevice":
+        from deepspeed.utils.init_on_device import OnDevice
+
+        return OnDevice
     if name in _ZERO_DEBUG or name in _Z3_LEAF:
         import ds_zero.debug
         import ds_zero.zero3.leaf

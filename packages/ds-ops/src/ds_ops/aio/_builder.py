@@ -47,6 +47,10 @@ class AsyncIOBuilder:
         """Whether libaio.so.1 loads here (otherwise handles use the fallback)."""
         return _libaio.unavailable_reason() is None
 
+    def sources(self) -> list[str]:
+        """No native sources: the bindings are cffi ABI-mode Python (``ds_ops/aio/_libaio.py``)."""
+        return []
+
     def load(self, verbose: bool = True) -> ModuleType:
         """The op module: ``aio_handle`` (= ``AsyncIOHandle``) and friends."""
         if not self.is_compatible():

@@ -9,6 +9,10 @@ exposes the builder class at its top level (``ds_ops.aio.AsyncIOBuilder``), whic
 ``is_compatible(verbose=False)`` (``compatibility_problems()``/``is_built()`` are shown when present);
 ``from ds_ops.op_builder import AsyncIOBuilder`` imports that module on first access and registers the
 class, and :func:`all_builders` (used by ``ds_report``) does the same for every plugin.
+
+The fused optimizers run on torch's own kernels, so their builders (``FusedAdamBuilder``, ...; see
+``torch_ops``) compile nothing and ``load()`` returns the op's module. :func:`op_tables` gives DeepSpeed's
+``installed_ops`` / ``compatible_ops`` (``deepspeed.git_version_info``) from the same registry.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ds_ops.op_builder._cpu import (
     supported_simd_levels,
 )
 from ds_ops.op_builder.builders import BandwidthProbeBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+from ds_ops.op_builder.torch_ops import FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, TorchOpBuilder
 
 # Builder class name -> module that defines it and registers it on import.
 _PLUGINS: dict[str, str] = {"AsyncIOBuilder": "ds_ops.aio"}
@@ -43,7 +48,7 @@ def register_builder(cls: type) -> type:
     return cls
 
 
-for _cls in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder):
+for _cls in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder):
     register_builder(_cls)
 
 
@@ -57,6 +62,34 @@ def all_builders() -> tuple[dict[str, type], dict[str, str]]:
         except Exception as exc:  # a broken plugin must not hide the other ops from the report
             errors[cls_name] = f"{type(exc).__name__}: {exc}"
     return dict(ALL_OPS), errors
+
+
+def is_installed(builder: Any) -> bool:
+    """DeepSpeed's ``installed_ops`` meaning: the op loads without compiling anything.
+
+    A native op counts when the wheel ships its library for this CPU (``DS_BUILD_OPS=1`` at install; a JIT-cache
+    build does not count, as in DeepSpeed). Ops without native code (async_io over cffi's ABI mode, the fused
+    optimizers on torch's kernels) are installed with the package.
+    """
+    return not isinstance(builder, OpBuilder) or builder.prebuilt_path() is not None
+
+
+def op_tables() -> tuple[dict[str, bool], dict[str, bool]]:
+    """``(installed_ops, compatible_ops)``: {op NAME: bool} over every registered builder, as ``ds_report`` sees them.
+
+    ``compatible_ops`` is ``is_compatible()`` (a native op is compatible when it is built or buildable here) and
+    keeps DeepSpeed's ``"deepspeed_not_implemented": False`` entry. A builder that cannot even be constructed
+    here (say a bad ``DS_OPS_SIMD``) is neither.
+    """
+    installed, compatible = {}, {}
+    for name, cls in sorted(all_builders()[0].items()):
+        try:
+            builder = cls()
+            installed[name], compatible[name] = is_installed(builder), bool(builder.is_compatible())
+        except Exception:  # noqa: BLE001 - ds_report shows the reason; here the op is simply unusable
+            installed[name] = compatible[name] = False
+    compatible["deepspeed_not_implemented"] = False
+    return installed, compatible
 
 
 def __getattr__(name: str) -> Any:
@@ -75,15 +108,21 @@ __all__ = [
     "CPUAdagradBuilder",
     "CPUAdamBuilder",
     "CPULionBuilder",
+    "FusedAdamBuilder",
+    "FusedLambBuilder",
+    "FusedLionBuilder",
     "OpBuildError",
     "OpBuilder",
     "SIMD_ENV",
     "SIMD_LEVELS",
+    "TorchOpBuilder",
     "all_builders",
     "best_simd_level",
     "cache_root",
     "cpu_features",
     "cpu_model",
+    "is_installed",
+    "op_tables",
     "register_builder",
     "supported_simd_levels",
 ]

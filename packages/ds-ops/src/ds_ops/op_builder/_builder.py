@@ -47,12 +47,19 @@ class OpBuilder:
     """One native library: its sources, flags, cache location, build and load.
 
     Subclasses set ``NAME``, ``SOURCES`` (files under csrc/; headers there are hashed too) and
-    ``SYMBOLS`` (entry points that must exist after loading).
+    ``SYMBOLS`` (entry points that must exist after loading); ``BUILD_VAR`` (DeepSpeed's name for the
+    install-time switch that prebuilds the op, ``DS_BUILD_<NAME>``) follows from ``NAME``.
     """
 
     NAME: ClassVar[str]
+    BUILD_VAR: ClassVar[str]
     SOURCES: ClassVar[tuple[str, ...]]
     SYMBOLS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "NAME" in cls.__dict__ and "BUILD_VAR" not in cls.__dict__:
+            cls.BUILD_VAR = f"DS_BUILD_{cls.NAME.upper()}"
 
     def __init__(self, simd_level: str | None = None) -> None:
         self.simd_level = simd_level or _cpu.best_simd_level()
@@ -60,6 +67,11 @@ class OpBuilder:
             raise ValueError(f"simd_level={simd_level!r} is unknown; accepted: {', '.join(_cpu.SIMD_LEVELS)}")
 
     # ---- identity -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """DeepSpeed's builders carry their ``NAME`` as ``name`` too."""
+        return self.NAME
+
     def absolute_name(self) -> str:
         return f"ds_ops.op_builder.{self.NAME}"
 
@@ -71,6 +83,15 @@ class OpBuilder:
 
     def ld_flags(self) -> list[str]:
         return ["-fopenmp"]
+
+    def include_paths(self) -> list[Path]:
+        return [CSRC_DIR]
+
+    def cxx_args(self) -> list[str]:  # DeepSpeed's name
+        return self.cxx_flags()
+
+    def extra_ldflags(self) -> list[str]:  # DeepSpeed's name
+        return self.ld_flags()
 
     def content_key(self) -> str:
         """Hash of sources, headers, flags and the CPU features the build assumes (no compiler)."""
@@ -148,6 +169,10 @@ class OpBuilder:
                 path = self.jit_build(verbose=verbose)
             _loaded[key] = self._open(path)
             return _loaded[key]
+
+    def jit_load(self, verbose: bool = False) -> ctypes.CDLL:
+        """DeepSpeed's name for loading through the JIT path: the same library as :meth:`load`."""
+        return self.load(verbose=verbose)
 
     def jit_build(self, verbose: bool = False) -> Path:
         """Compile into the cache under a file lock; a concurrent builder's result is reused."""
