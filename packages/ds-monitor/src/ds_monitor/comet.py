@@ -25,6 +25,9 @@ class CometMonitor(Monitor):
     section = "comet"
     config_model = CometConfig
 
+    def __init__(self, comet_config: Any, rank: int | None = None) -> None:  # DeepSpeed's parameter name
+        super().__init__(comet_config, rank)
+
     experiment: Any = None
     """The ``comet_ml`` experiment (set on the writing rank)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+from typing import Any
 
 from ds_config.monitor import CSVConfig
 from ds_monitor._base import Monitor
@@ -47,6 +48,9 @@ class CSVMonitor(Monitor):
 
     section = "csv_monitor"
     config_model = CSVConfig
+
+    def __init__(self, csv_config: Any, rank: int | None = None) -> None:  # DeepSpeed's parameter name
+        super().__init__(csv_config, rank)
 
     log_dir: str | None = None
     """Directory of the CSV files (set on the writing rank)."""

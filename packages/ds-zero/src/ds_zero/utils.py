@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def is_zero_param(param: Any) -> bool:
+def is_zero_param(parameter: Any) -> bool:
     """True for a ZeRO stage 3 partitioned parameter (it carries a ``ds_id``); stage 1/2 parameters keep their
     full shape on every rank, so they are not "ZeRO parameters" in this sense."""
-    return hasattr(param, "ds_id")
+    return hasattr(parameter, "ds_id")

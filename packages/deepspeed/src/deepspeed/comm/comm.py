@@ -40,10 +40,8 @@ from deepspeed.comm._collectives import (
     send,
 )
 from deepspeed.comm._env import LaunchEnv, discover_launch_env
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from deepspeed.utils.logging import logger
-
-TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-
 
 
 def _unpin_world_group() -> None:
@@ -63,16 +61,6 @@ def _unpin_world_group() -> None:
 _unpin_world_group()
 
 
-def _timeout_from_env() -> timedelta:
-    """``DEEPSPEED_TIMEOUT`` (minutes, default 30): how long a collective waits for its peers."""
-    raw = os.getenv("DEEPSPEED_TIMEOUT", "30")
-    try:
-        return timedelta(minutes=float(raw))
-    except ValueError:
-        raise ValueError(f"DEEPSPEED_TIMEOUT={raw!r} must be a number of minutes") from None
-
-
-default_pg_timeout = _timeout_from_env()
 comms_logger = _state.comms_logger
 
 __all__ = [

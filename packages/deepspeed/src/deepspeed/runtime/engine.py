@@ -254,6 +254,12 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         reduced_ms = self.timers.elapsed_ms[BACKWARD_REDUCE] - reduce_before
         self.timers.add(BACKWARD_INNER, (time.perf_counter() - started) * 1e3 - reduced_ms)
 
+    def _backward_epilogue(self) -> None:
+        """What scripts written before DeepSpeed 0.18.3 call after ``loss.backward()``: the end of backward now runs
+        by itself (a callback queued on autograd's engine), so this only finishes a backward still open."""
+        if self._in_backward:
+            self._end_of_backward()
+
     def _record_loss(self, loss: torch.Tensor) -> None:
         detached = loss.detach().float().reshape(())
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
