@@ -130,6 +130,58 @@ def test_cpu_offload_param_and_pin_memory_move_over():
     assert cfg.offload_optimizer.device == OffloadDeviceEnum.cpu and cfg.offload_optimizer.pin_memory
 
 
+@pytest.mark.parametrize("data,key,new,why", [
+    ({"cpu_offload": True}, "cpu_offload", "offload_optimizer", "stage 1, 2 or 3 (stage is 0)"),
+    ({"stage": 0, "cpu_offload": True, "cpu_offload_use_pin_memory": True}, "cpu_offload", "offload_optimizer",
+     "stage 1, 2 or 3 (stage is 0)"),
+    ({"stage": 0, "cpu_offload_param": True}, "cpu_offload_param", "offload_param", "stage 3 only (stage is 0)"),
+    ({"stage": 2, "cpu_offload_param": True}, "cpu_offload_param", "offload_param", "stage 3 only (stage is 2)"),
+    ({"stage": "auto", "cpu_offload_param": True}, "cpu_offload_param", "offload_param", "(stage is 0)"),
+])
+def test_deprecated_offload_switch_at_a_stage_that_cannot_use_it_warns_and_is_ignored(data, key, new, why):
+    # DeepSpeed accepts these at any stage (old configs keep them while the launcher picks the stage): warn with the
+    # replacement's name, and leave the replacement off rather than reject the config
+    with pytest.warns(DeprecatedConfigWarning) as record:
+        cfg = zero(data)
+    text = [str(w.message) for w in record]
+    assert any(f"'{key}' is deprecated; use '{new}' instead" in t and why in t and "ignored" in t for t in text), text
+    assert cfg.offload_param is None and cfg.offload_optimizer is None
+    assert cfg.stage == (0 if data.get("stage", 0) in (0, "auto") else data["stage"])
+
+
+def test_deprecated_offload_switches_migrate_where_the_stage_honours_them():
+    # stage 2: cpu_offload moves over, cpu_offload_param (stage 3 only) is ignored, both with their warning
+    with pytest.warns(DeprecatedConfigWarning) as record:
+        cfg = zero({"stage": 2, "cpu_offload": True, "cpu_offload_param": True})
+    text = " | ".join(str(w.message) for w in record)
+    assert "'cpu_offload' is deprecated; use 'offload_optimizer' instead" in text
+    assert "'cpu_offload_param' is deprecated; use 'offload_param' instead" in text and "stage is 2" in text
+    assert cfg.offload_optimizer.device == OffloadDeviceEnum.cpu and cfg.offload_param is None
+    # and a dump of the result validates again without any deprecated key
+    dumped = cfg.model_dump(mode="json", by_alias=True)
+    assert "cpu_offload" not in dumped and zero(dumped).offload_optimizer.device == OffloadDeviceEnum.cpu
+
+
+def test_deprecated_offload_switch_set_to_false_is_accepted_at_stage_0():
+    with pytest.warns(DeprecatedConfigWarning, match="offload_optimizer"):
+        cfg = zero({"stage": 0, "cpu_offload": False})
+    assert cfg.offload_optimizer is None
+
+
+def test_offload_optimizer_pipeline_is_read_or_write():
+    for read, write in ((False, False), (True, False), (False, True), (True, True)):
+        section = {"device": "nvme", "nvme_path": "/nvme", "pipeline_read": read, "pipeline_write": write}
+        off = zero({"stage": 3, "offload_optimizer": section}).offload_optimizer
+        assert off.pipeline is (read or write)
+    off = DeepSpeedZeroOffloadOptimizerConfig()
+    assert off.pipeline is False
+    off.pipeline_write = True  # derived on read: follows assignments
+    assert off.pipeline is True
+    assert "pipeline" not in off.model_dump()  # derived, not a key: a dump validates again
+    with pytest.raises(ConfigError, match="pipeline"):
+        zero({"stage": 3, "offload_optimizer": {"pipeline": True}})
+
+
 def test_fp16_weights_flag_moves_to_16bit_flag():
     with pytest.warns(DeprecatedConfigWarning, match="gather_16bit_weights_on_model_save"):
         assert zero({"stage3_gather_fp16_weights_on_model_save": True}).gather_16bit_weights_on_model_save
@@ -195,9 +247,6 @@ def test_assignment_is_validated():
     ({"stage": 3, "mics_hierarchical_params_gather": True}, "mics_hierarchical_params_gather", "mics_shard_size"),
     ({"contiguous_gradients": "yes"}, "contiguous_gradients", "boolean"),
     ({"leaf_module": {"classes": ["ok", " "]}}, "leaf_module.classes", "empty"),
-    ({"stage": 2, "cpu_offload_param": True}, "cpu_offload_param", "stage 3"),
-    ({"cpu_offload": True}, "cpu_offload", "stage 1, 2 or 3"),
-    ({"stage": "auto", "cpu_offload_param": True}, "cpu_offload_param", "stage 3"),
     ({"stgae": 3}, "stgae", "did you mean 'stage'"),
     ({"offload_param": {"nvme_pth": "/x"}}, "offload_param.nvme_pth", "did you mean 'nvme_path'"),
 ])

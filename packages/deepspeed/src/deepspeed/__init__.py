@@ -23,7 +23,7 @@ __version_major__, __version_minor__, __version_patch__ = (int(p) for p in re.fi
 
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "DeepSpeedConfig": ("ds_config", "DeepSpeedConfig"),
+    "DeepSpeedConfig": ("deepspeed.runtime.config", "DeepSpeedConfig"),  # DeepSpeed's (path or dict, mpu) class
     # DeepSpeed's config exception is ds_config's ConfigError itself (a ValueError), so
     # ``except deepspeed.DeepSpeedConfigError`` catches every config error this package raises
     "DeepSpeedConfigError": ("ds_config", "ConfigError"),

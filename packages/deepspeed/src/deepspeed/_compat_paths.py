@@ -7,7 +7,6 @@ Paths the meta-package implements itself (``deepspeed.runtime.engine``, ...) are
 
 COMPAT_PATHS: dict[str, str] = {
     # configuration (ds-config)
-    "deepspeed.runtime.config": "ds_config.config",
     "deepspeed.runtime.zero.config": "ds_config.zero",
     "deepspeed.runtime.zero.offload_config": "ds_config.zero",
     "deepspeed.inference.config": "ds_config.inference",
@@ -79,6 +78,11 @@ NOT_BUILT: dict[str, str] = {
 NOT_BUILT_NAMES: dict[str, str] = {
     "init_inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "tp_model_init": "automatic tensor-parallel training (deepspeed.tp_model_init)",
+    "set_autotp_mode": "automatic tensor-parallel training (deepspeed.tp_model_init)",
+    "InferenceEngine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    "default_inference_config": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    "DeepSpeedTransformerLayer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
+    "DeepSpeedTransformerConfig": "the transformer kernel layer (DeepSpeedTransformerLayer)",
 }
 """Documented top-level ``deepspeed.<name>`` attributes of features not built yet (an ``AttributeError`` naming
 them)."""

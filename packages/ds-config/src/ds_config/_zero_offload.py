@@ -104,3 +104,9 @@ class DeepSpeedZeroOffloadOptimizerConfig(_OffloadTarget):
 
     cpuadam_cores_perc: Fraction = 0.8
     """Fraction of CPU cores used by CPU Adam. Only valid with ZeRO stage 3 and ``super_offload``."""
+
+    @property
+    def pipeline(self) -> bool:
+        """Tile-based pipelining of the NVMe optimizer swap is on: ``pipeline_read or pipeline_write`` (DeepSpeed's
+        derived ``pipeline`` attribute; computed on read, so it follows assignments and stays out of dumps)."""
+        return self.pipeline_read or self.pipeline_write

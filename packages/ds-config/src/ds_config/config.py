@@ -1,7 +1,8 @@
 """The top-level DeepSpeed config (``ds_config.json``): every section, typed, with documented defaults.
 
-``DeepSpeedConfig`` is what ``deepspeed.runtime.config`` serves. Build it with ``load_config`` (dict, path,
-JSON string or base64 JSON) or ``DeepSpeedConfig.load("ds_config.json", world_size=8)``.
+``DeepSpeedConfig`` is the typed config the engine uses; ``deepspeed.runtime.config.DeepSpeedConfig`` (DeepSpeed's
+class, built from a dict or path with the data-parallel world size) holds one. Build it with ``load_config``
+(dict, path, JSON string or base64 JSON) or ``DeepSpeedConfig.load("ds_config.json", world_size=8)``.
 """
 
 from __future__ import annotations

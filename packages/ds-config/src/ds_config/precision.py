@@ -39,6 +39,18 @@ class FP16Config(DSConfigModel):
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale == 0
 
+    def initial_dynamic_scale(self) -> int:
+        """Starting dynamic loss scale, ``2 ** initial_scale_power`` (a method, as on DeepSpeed's
+        ``DeepSpeedFP16Config``)."""
+        return 2**self.initial_scale_power
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """Keyword arguments of DeepSpeed's ``DynamicLossScaler`` (``init_scale``, ``scale_window``,
+        ``delayed_shift``, ``consecutive_hysteresis``, ``min_scale``) from this section."""
+        return {"init_scale": self.initial_dynamic_scale(), "scale_window": self.loss_scale_window,
+                "delayed_shift": self.hysteresis, "consecutive_hysteresis": self.consecutive_hysteresis,
+                "min_scale": self.min_loss_scale}
+
 
 class BF16Config(DSConfigModel):
     """``bf16`` (older name ``bfloat16``): bfloat16 mixed precision; needs no loss scaling."""

@@ -2,9 +2,10 @@
 
 Serves the documented names of ``deepspeed.runtime.zero.config`` and ``deepspeed.runtime.zero.offload_config``.
 Sizes are counts of elements, not bytes. Deprecated keys are accepted (moved to their replacement with a
-warning) and left out of dumps, so a dumped config validates again. Checks that need the stage live here,
-so a component handed a ``DeepSpeedZeroConfig`` can trust it: offload_param, NVMe optimizer offload,
-``ratio``, ``super_offload`` and MiCS only with stage 3.
+warning) and left out of dumps, so a dumped config validates again; the deprecated offload switches
+(``cpu_offload``, ``cpu_offload_param``) at any stage, ignored with that warning where the stage cannot honour
+them. Checks that need the stage live here, so a component handed a ``DeepSpeedZeroConfig`` can trust it:
+offload_param, NVMe optimizer offload, ``ratio``, ``super_offload`` and MiCS only with stage 3.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ class DeepSpeedZeroConfig(SectionModel):
                           DeprecatedConfigWarning, stacklevel=2)
             return {"stage": 1 if data else 0}
         if isinstance(data, dict):
-            _check_legacy_offload(data)
+            return _legacy_offload(data)
         return data
 
     @field_validator("stage", mode="before")
@@ -356,21 +357,29 @@ def _check_loco(value: dict[str, Any]) -> dict[str, Any]:
     return {"err_beta": float(beta), "reset_T": reset}
 
 
-def _check_legacy_offload(data: dict) -> None:
-    """Stage checks for the deprecated offload switches, reported at the key the user wrote (after migration
-    the problem would sit under an ``offload_*`` key that is not in the user's file)."""
+_LEGACY_OFFLOAD = {
+    # deprecated switch -> (its replacement, the stages that honour the replacement, what it offloads)
+    "cpu_offload_param": ("offload_param", (3,), "parameter offload applies to ZeRO stage 3 only"),
+    "cpu_offload": ("offload_optimizer", (1, 2, 3), "optimizer offload needs ZeRO stage 1, 2 or 3"),
+}
+
+
+def _legacy_offload(data: dict) -> dict:
+    """The deprecated offload switches are accepted at every stage, as DeepSpeed accepts them (old configs keep
+    ``"cpu_offload": true`` while a launcher flag picks the stage). Where the stage honours the replacement the
+    switch migrates to it (``_screen_input``, with the deprecation warning); where it does not, the switch is
+    dropped with that warning plus a note that it is ignored at this stage, so the replacement is never turned
+    on at a stage that cannot run it (DeepSpeed ignores ``offload_param`` below stage 3 the same way)."""
     stage = data.get("stage", 0)
     if stage == "auto":
         stage = 0  # "auto" means the default stage
     if isinstance(stage, float) and stage.is_integer():
         stage = int(stage)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        return  # the stage check reports it
-    problems = []
-    if data.get("cpu_offload_param") is True and stage != 3:
-        problems.append(ConfigProblem("cpu_offload_param", f"parameter offload needs ZeRO stage 3 (stage is {stage})",
-                                      True))
-    if data.get("cpu_offload") is True and stage == 0:
-        problems.append(ConfigProblem("cpu_offload", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0)", True))
-    if problems:
-        raise ConfigError(problems)
+        return data  # the stage check reports it
+    ignored = [key for key, (_, stages, _) in _LEGACY_OFFLOAD.items() if data.get(key) is True and stage not in stages]
+    for key in ignored:
+        new, _, why = _LEGACY_OFFLOAD[key]
+        warnings.warn(f"config key '{key}' is deprecated; use '{new}' instead. It is ignored here: {why} "
+                      f"(stage is {stage})", DeprecatedConfigWarning, stacklevel=2)
+    return {k: v for k, v in data.items() if k not in ignored} if ignored else data
