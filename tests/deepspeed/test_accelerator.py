@@ -62,18 +62,61 @@ def test_set_accelerator(fresh):
 
 def test_cpu_identity_and_dtypes(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_SIZE", "4")
     accel = CPU_Accelerator()
-    assert accel.is_available() and accel.device_count() == 1
+    assert accel.is_available() and accel.device_count() == 4  # DeepSpeed: int(LOCAL_SIZE) when > 0
     assert accel.current_device() == 3  # the rank's index on the host
     assert accel.device_name() == accel.device_name(1) == accel.current_device_name() == "cpu"
     assert accel.device() == torch.device("cpu")
-    assert accel.supported_dtypes() == [torch.float32, torch.float16, torch.bfloat16]
-    assert accel.is_fp16_supported() and accel.is_bf16_supported()
+    # DeepSpeed's CPU_Accelerator: bf16 always, fp16 only where oneDNN has fp16 kernels, order fp32, bf16, fp16.
+    fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    assert accel.is_bf16_supported() is True and accel.is_fp16_supported() is fp16
+    assert accel.supported_dtypes() == [torch.float32, torch.bfloat16] + ([torch.float16] if fp16 else [])
     assert accel.is_synchronized_device() and accel.use_host_timers()
     t = torch.ones(3)
     assert accel.on_accelerator(t) and accel.pin_memory(t).device.type == "cpu"
     with pytest.raises(ValueError, match="device_index"):
         accel.set_device(-1)
+
+
+def test_cpu_device_count_follows_local_size_then_numa(monkeypatch):
+    from deepspeed.accelerator import cpu_accelerator
+
+    accel = CPU_Accelerator()
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # a 2-process job on one CPU host sees 2 devices
+    assert accel.device_count() == 2
+    # LOCAL_SIZE unset or <= 0: NUMA nodes with cores; fake-NUMA duplicates once, core-less HBM nodes skipped.
+    for local_size in (None, "0", "-1"):
+        if local_size is None:
+            monkeypatch.delenv("LOCAL_SIZE")
+        else:
+            monkeypatch.setenv("LOCAL_SIZE", local_size)
+        monkeypatch.setattr(cpu_accelerator, "numa_core_lists", lambda: [[0, 1], [0, 1], [2, 3], [], []])
+        assert accel.device_count() == 2
+        monkeypatch.setattr(cpu_accelerator, "numa_core_lists", lambda: [])  # numactl/sysfs unavailable
+        assert accel.device_count() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "two")  # DeepSpeed's int() raises ValueError; ours names the variable
+    with pytest.raises(ValueError, match="LOCAL_SIZE='two'"):
+        accel.device_count()
+
+
+def test_numa_core_lists_reads_sysfs(tmp_path):
+    from deepspeed.launcher._resources import numa_core_lists
+
+    for node, cpus in ((1, "4-5,7\n"), (0, "0-3\n"), (2, "\n")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus)
+    assert numa_core_lists(str(tmp_path)) == [[0, 1, 2, 3], [4, 5, 7], []]
+    assert numa_core_lists(str(tmp_path / "missing")) == []
+
+
+def test_cpu_fp16_follows_onednn(monkeypatch):
+    accel = CPU_Accelerator()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
+    assert accel.is_fp16_supported() is False
+    assert accel.supported_dtypes() == [torch.float32, torch.bfloat16]
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: True)
+    assert accel.supported_dtypes() == [torch.float32, torch.bfloat16, torch.float16]
 
 
 def test_cpu_rng_streams_events():

@@ -246,6 +246,23 @@ def test_bad_tags_are_rejected(tmp_path, tag):
         ckpt.save_checkpoint(make_state(), tmp_path, tag=tag)
 
 
+@pytest.mark.parametrize("save_dir", [None, "", b"", 0])
+def test_bad_save_dir_is_a_value_error_naming_it(tmp_path, monkeypatch, save_dir):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"save_checkpoint: save_dir=.* is invalid; accepted: a non-empty"):
+        ckpt.save_checkpoint(make_state(), save_dir)
+    assert os.listdir(tmp_path) == []  # nothing written into the working directory
+
+
+def test_tag_mismatch_under_fail_is_an_assertion_error():
+    # DeepSpeed's tag_validation: Fail is `assert valid, msg`; ours is still a CheckpointTagError (a ValueError)
+    from deepspeed.runtime.checkpointing._tags import validate_tags
+
+    assert issubclass(ckpt.CheckpointTagError, AssertionError) and issubclass(ckpt.CheckpointTagError, ValueError)
+    with pytest.raises(AssertionError, match="is not consistent across all ranks"):
+        validate_tags({0: "a", 1: "b"}, "Fail", 0)
+
+
 def test_failed_write_keeps_latest_and_leaves_no_temporaries(tmp_path, monkeypatch):
     state = make_state()
     ckpt.save_checkpoint(state, tmp_path)

@@ -66,6 +66,7 @@ def _save_with_rank_tags(save_dir: str, mode: str):
     try:
         warnings = _warnings_during(lambda: ckpt.save_checkpoint(state, save_dir, tag=f"step5_rank{rank}"))
     except ckpt.CheckpointTagError as exc:
+        assert isinstance(exc, AssertionError)  # DeepSpeed asserts
         return "raised", str(exc)
     return "saved", " | ".join(warnings)
 
@@ -86,6 +87,34 @@ def test_tag_validation_across_ranks(tmp_path, mode):
         assert results == [("saved", ""), ("saved", "")]
     assert ckpt.read_latest(tmp_path) == "step5_rank0"  # rank 0 writes the model states and 'latest'
     assert os.listdir(tmp_path / "step5_rank0") == ["mp_rank_00_model_states.pt"]
+
+
+def _save_with_bad_save_dir(save_dir: str, bad_ranks: tuple[int, ...]):
+    rank = dist.get_rank()
+    state = _state(rank, timeout_s=30.0)
+    start = time.monotonic()
+    try:
+        ckpt.save_checkpoint(state, None if rank in bad_ranks else save_dir)
+    except ValueError as exc:
+        outcome = (type(exc).__name__, str(exc), time.monotonic() - start)
+    else:
+        outcome = ("saved", "", 0.0)
+    ckpt.save_checkpoint(state, save_dir, tag="together")  # the next collective call still meets
+    return outcome
+
+
+@pytest.mark.parametrize("bad_ranks", [(0, 1), (1,)])
+def test_bad_save_dir_fails_every_rank_without_waiting(tmp_path, bad_ranks):
+    results = run_distributed(_save_with_bad_save_dir, world_size=2, args=(str(tmp_path), bad_ranks), timeout=60)
+    for rank, (kind, message, elapsed) in enumerate(results):
+        assert kind == "ValueError" and elapsed < 10, (rank, message)  # not the 30 s meeting timeout
+        if rank in bad_ranks:
+            assert message.startswith("save_checkpoint: save_dir=None is invalid")
+        else:  # the good rank learns why its peer stopped
+            assert f"save_checkpoint on rank {rank}: ranks [1] were called with invalid arguments" in message
+            assert "save_dir=None is invalid" in message
+    assert not (tmp_path / "global_step0").exists()
+    assert ckpt.read_latest(tmp_path) == "together"
 
 
 def _save_on_rank_zero_only(save_dir: str):

@@ -76,8 +76,10 @@ def test_hostfile_error_is_a_value_error():
         ("worker-0", {"worker-0": [0, 1, 2, 3]}),
         ("worker-1:0", {"worker-1": [0]}),
         ("worker-0@worker-1:0,2", {"worker-0": [0, 1, 2, 3], "worker-1": [0, 2]}),
-        ("worker-2@worker-0:3,1", {"worker-0": [3, 1], "worker-2": [0, 1]}),  # hostfile order kept
-        ("worker-1:2,2,0", {"worker-1": [2, 0]}),  # duplicates removed, order kept
+        # hostfile order of hosts kept; slots sorted and deduplicated as DeepSpeed's parse_resource_filter
+        ("worker-2@worker-0:3,1", {"worker-0": [1, 3], "worker-2": [0, 1]}),
+        ("worker-1:2,2,0", {"worker-1": [0, 2]}),
+        ("worker-1:3@worker-1:0", {"worker-1": [0, 3]}),
         ("worker-1:0@worker-1:3", {"worker-1": [0, 3]}),
     ],
 )
@@ -125,6 +127,7 @@ def test_bad_specs(include, exclude, match):
 def test_parse_resource_filter_takes_slot_lists():
     hosts = {"a": [0, 1, 2], "b": [5, 7]}
     assert parse_resource_filter(hosts, include_str="b:7") == {"b": [7]}
+    assert parse_resource_filter(hosts, include_str="a:2,0@b:7,5") == {"a": [0, 2], "b": [5, 7]}  # sorted
     assert parse_resource_filter(hosts, exclude_str="a:1") == {"a": [0, 2], "b": [5, 7]}
     assert parse_resource_filter(hosts) == hosts
 

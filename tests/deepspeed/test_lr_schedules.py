@@ -95,8 +95,8 @@ def test_warmup_lr_max_defaults_to_the_optimizer_lr():
 
 
 def test_warmup_lr_at_least_two_steps():
-    # log(1) = 0 cannot normalise the curve: 0 or 1 warm-up steps mean 2, as in DeepSpeed
-    sched = L.WarmupLR(_optimizer(), warmup_max_lr=1.0, warmup_num_steps=0, warmup_type="linear")
+    # log(1) = 0 cannot normalise the curve: 1 warm-up step means 2, as in DeepSpeed (0 is an error there too)
+    sched = L.WarmupLR(_optimizer(), warmup_max_lr=1.0, warmup_num_steps=1, warmup_type="linear")
     assert sched.warmup_num_steps == 2
     _check(sched, {0: 0.0, 1: 0.5, 2: 1.0})
 
@@ -133,11 +133,11 @@ def test_warmup_decay_lr_warns_when_total_is_shorter_than_warmup():
 
 def test_warmup_cosine_lr_linear_with_ratios():
     # base lr 0.2; ratio = 0.1 + 0.9 * i / 4 during warm-up, then 0.05 + 0.95 * (1 + cos(pi * n / 8)) / 2
-    # with n = i - 4 + 1, held at 0.05 once n reaches 8
+    # with n = i - 4 + 1, held at 0.05 once n reaches 8; before the first step DeepSpeed's ratio is 0
     sched = L.WarmupCosineLR(_optimizer(lrs=(0.2,)), total_num_steps=12, warmup_min_ratio=0.1,
                              warmup_num_steps=4, cos_min_ratio=0.05, warmup_type="linear")
     cos_1 = 0.05 + 0.95 * (1 + math.cos(math.pi / 8)) / 2
-    _check(sched, {-1: 0.02, 0: 0.02, 2: 0.11, 4: 0.2 * cos_1, 7: 0.2 * 0.525, 11: 0.2 * 0.05, 40: 0.2 * 0.05})
+    _check(sched, {-1: 0.0, 0: 0.02, 2: 0.11, 4: 0.2 * cos_1, 7: 0.2 * 0.525, 11: 0.2 * 0.05, 40: 0.2 * 0.05})
     assert sched.get_lr_ratio() == pytest.approx(0.05)
 
 
@@ -168,7 +168,9 @@ def test_one_cycle_phases_decay_and_adam_betas():
     for it, mom in expected_mom.items():
         assert got_mom[it][0] == pytest.approx(mom), it
         assert got_mom[it][1] == 0.999  # the optimizer's second beta is kept
-    assert sched.get_mom() == pytest.approx([0.9 * 1.15])
+    # DeepSpeed's get_mom() gives Adam-style groups their (beta1, beta2) pair
+    (beta1, beta2), = sched.get_mom()
+    assert beta1 == pytest.approx(0.9 * 1.15) and beta2 == 0.999
 
 
 def test_one_cycle_without_decay_holds_the_minimum():
@@ -178,10 +180,12 @@ def test_one_cycle_without_decay_holds_the_minimum():
 
 
 def test_one_cycle_staircase():
-    # 2 stairs per half of 4 batches: scale = floor(t * 2 / 4) / 2 up, 1 - floor((t - 4) * 2 / 4) / 2 down
+    # DeepSpeed's stairs, 2 per half of 4 batches (t = i + 1): scale = floor(t * 2 / 4) / 2 going up and
+    # floor((8 - t) * 2 / 4) / 2 coming down (counted from the cycle's end, so the falling half mirrors the
+    # rising one)
     sched = L.OneCycle(_optimizer(), 0.0, 1.0, cycle_first_step_size=4, cycle_first_stair_count=2,
                        cycle_momentum=False)
-    _check(sched, {0: 0.0, 1: 0.5, 2: 0.5, 3: 1.0, 4: 1.0, 5: 0.5, 6: 0.5, 7: 0.0})
+    _check(sched, {0: 0.0, 1: 0.5, 2: 0.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 0.0, 7: 0.0})
 
 
 def test_one_cycle_sgd_momentum_and_groups():
@@ -283,7 +287,7 @@ def test_warmups_stay_between_their_bounds(low, span, steps, kind, iteration):
     cycle = L.OneCycle(_optimizer("adam"), low, high, cycle_first_step_size=steps, cycle_first_stair_count=steps % 4)
     cycle.step(min(iteration, 2 * steps - 1))
     assert low - 1e-12 <= cycle.get_last_lr()[0] <= high + 1e-12
-    assert 0.8 - 1e-12 <= cycle.get_mom()[0] <= 0.9 + 1e-12
+    assert 0.8 - 1e-12 <= cycle.get_mom()[0][0] <= 0.9 + 1e-12
 
 
 def test_load_state_dict_restores_rates_and_base_lrs():
@@ -337,7 +341,7 @@ def test_module_constants_and_paths():
     assert L.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     assert all(hasattr(deepspeed.runtime.lr_schedules, name) for name in L.VALID_LR_SCHEDULES)
     assert (L.WARMUP_LOG_RATE, L.WARMUP_LINEAR_RATE, L.WARMUP_MAX_LR) == ("log", "linear", "warmup_max_lr")
-    assert deepspeed.runtime.config is ds_config.config
+    assert hasattr(deepspeed.runtime.config, "DeepSpeedConfig")  # its own module now (runtime/config.py)
     assert deepspeed.runtime.zero.config is ds_config.zero
 
 
@@ -420,7 +424,9 @@ ERRORS = [
      "list of 1 such numbers"),
     (L.OneCycle, {"cycle_min_lr": 0.1, "cycle_max_lr": 0.5, "decay_lr_rate": -0.1}, "decay_lr_rate=-0.1", ">= 0"),
     (L.WarmupLR, {"warmup_type": "cosine"}, "warmup_type='cosine'", "'log' or 'linear'"),
-    (L.WarmupLR, {"warmup_num_steps": -5}, "warmup_num_steps=-5", "integer >= 0"),
+    (L.WarmupLR, {"warmup_num_steps": -5}, "warmup_num_steps=-5", "integer >= 1"),
+    (L.WarmupLR, {"warmup_num_steps": 0}, "warmup_num_steps=0", "integer >= 1"),  # DeepSpeed: ValueError
+    (L.WarmupCosineLR, {"total_num_steps": 10, "warmup_num_steps": 0}, "warmup_num_steps=0", "integer >= 1"),
     (L.WarmupLR, {"warmup_min_lr": 0.2, "warmup_max_lr": 0.1}, "warmup_min_lr=0.2 is above warmup_max_lr=0.1",
      "warmup_min_lr <= warmup_max_lr"),
     (L.WarmupLR, {"warmup_max_lr": "auto"}, "warmup_max_lr='auto'", "a number >= 0"),
@@ -446,3 +452,117 @@ def test_bad_step_argument():
     sched = L.WarmupLR(_optimizer())
     with pytest.raises(ValueError, match="last_batch_iteration=-3"):
         sched.step(-3)
+
+
+# ------------------------------------------------------------------------------------ DeepSpeed 0.19 parity
+
+
+def _deepspeed_one_cycle_scale(batch: int, first: int, second: int, first_stairs: int, second_stairs: int) -> float:
+    """DeepSpeed's ``OneCycle._get_scale_factor`` arithmetic, written out: the phase ``x`` of the cycle wraps
+    at ``total``; stairs count from the cycle's start going up and from its end coming down."""
+    total = first + second
+    step_ratio = first / total
+    x = 1.0 + batch / total - math.floor(1 + batch / total)
+    if x <= step_ratio:
+        scale, stairs = x / step_ratio, first_stairs
+    else:
+        scale, stairs = (x - 1) / (step_ratio - 1), second_stairs
+    if stairs > 0:
+        position = batch % total
+        if position <= first:
+            scale = math.floor(position * stairs / first) / stairs
+        else:
+            scale = math.floor((total - position) * stairs / second) / stairs
+    return scale
+
+
+@settings(max_examples=80, deadline=None)
+@given(first=st.integers(1, 9), second=st.integers(0, 9), first_stairs=st.integers(0, 4),
+       second_stairs=st.integers(0, 4), iteration=st.integers(-1, 25))
+def test_one_cycle_matches_deepspeed_arithmetic(first, second, first_stairs, second_stairs, iteration):
+    # cycle_second_step_size=0 included: DeepSpeed accepts it (a cycle without a falling half)
+    sched = L.OneCycle(_optimizer("adam"), 0.1, 1.0, cycle_first_step_size=first, cycle_second_step_size=second,
+                       cycle_first_stair_count=first_stairs, cycle_second_stair_count=second_stairs)
+    sched.step(iteration)
+    if iteration < first + second:
+        scale = _deepspeed_one_cycle_scale(iteration + 1, first, second, first_stairs, second_stairs)
+    else:
+        scale = 0.0  # past the cycle, no decay configured: DeepSpeed holds cycle_min_lr / cycle_max_mom
+    assert sched.get_last_lr() == pytest.approx([0.1 + 0.9 * scale], abs=1e-12)
+    assert sched.get_mom() == [(pytest.approx(0.9 - 0.1 * scale, abs=1e-12), 0.999)]
+
+
+def test_one_cycle_without_a_second_half():
+    # DeepSpeed: cycle_second_step_size=0 rises over cycle_first_step_size batches; the cycle's last batch
+    # wraps back to cycle_min_lr (it is never an error there)
+    sched = L.OneCycle(_optimizer(), 0.1, 1.0, cycle_first_step_size=4, cycle_second_step_size=0,
+                       cycle_momentum=False)
+    _check(sched, {-1: 0.1, 0: 0.325, 1: 0.55, 2: 0.775, 3: 0.1, 9: 0.1})
+
+
+def test_one_cycle_get_mom_pairs_per_group_lists():
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.ones(2))], "betas": (0.9, 0.999)},
+                            {"params": [torch.nn.Parameter(torch.ones(2))], "betas": (0.85, 0.95)}], lr=0.1)
+    sched = L.OneCycle(opt, 0.1, 1.0, cycle_first_step_size=2, cycle_min_mom=[0.8, 0.5], cycle_max_mom=[0.9, 0.7])
+    assert sched.get_mom() == [(0.9, 0.999), (0.7, 0.95)]
+    sched.step()  # half-way up: beta1 half-way down, each group between its own bounds
+    assert sched.get_mom() == [(pytest.approx(0.85), 0.999), (pytest.approx(0.6), 0.95)]
+    assert [g["betas"] for g in opt.param_groups] == sched.get_mom()
+    sched.step()  # top of the cycle: each group's cycle_min_mom
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.5])
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_tensor_learning_rates_stay_tensors(name):
+    # DeepSpeed's update_lr: a group whose lr is a tensor gets torch.tensor([lr], device=old.device)
+    cls, kwargs = SCHEDULES[name]
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([param], lr=torch.tensor(0.05))
+    sched = cls(opt, **kwargs)
+    for _ in range(5):
+        param.grad = torch.ones(2)
+        opt.step()
+        sched.step()
+        lr = opt.param_groups[0]["lr"]
+        assert torch.is_tensor(lr) and lr.shape == (1,) and lr.device == param.device
+        assert lr.item() == pytest.approx(sched.get_lr()[0])
+        assert sched.get_last_lr() == [lr]
+    float_opt = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.05)
+    float_sched = cls(float_opt, **kwargs)
+    float_sched.step(4)
+    assert type(float_opt.param_groups[0]["lr"]) is float
+    assert float_opt.param_groups[0]["lr"] == pytest.approx(lr.item())
+
+
+def test_unknown_warmup_type_stays_an_error():
+    # DeepSpeed logs a warning and silently trains with the 'log' curve instead; the typed config rejects the
+    # value too, so direct construction keeps the clear error naming the accepted values.
+    for cls, extra in ((L.WarmupLR, {}), (L.WarmupDecayLR, {"total_num_steps": 10}),
+                       (L.WarmupCosineLR, {"total_num_steps": 10})):
+        with pytest.raises(ValueError, match="warmup_type='cosine'.*'log' or 'linear'"):
+            cls(_optimizer(), warmup_type="cosine", **extra)
+
+
+def test_tuning_arguments_give_a_scheduler_config():
+    """``deepspeed.add_tuning_arguments``: DeepSpeed's flags and defaults; the parsed flags are a scheduler section
+    the engine builds (``get_config_from_args``), and ``get_lr_from_config`` is the rate it starts from."""
+    import argparse
+
+    import deepspeed
+    from deepspeed.runtime.lr_schedules import build_lr_scheduler, get_config_from_args, get_lr_from_config
+
+    parser = deepspeed.add_tuning_arguments(argparse.ArgumentParser())
+    assert get_config_from_args(parser.parse_args([])) == (None, "--lr_schedule not specified on command line")
+    assert get_config_from_args(parser.parse_args(["--lr_schedule", "Nope"]))[0] is None
+    args = parser.parse_args(["--lr_schedule", "WarmupLR", "--warmup_max_lr", "0.5", "--warmup_num_steps", "4"])
+    config, error = get_config_from_args(args)
+    assert error is None and config == {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.5,
+                                                                       "warmup_num_steps": 4, "warmup_type": "log"}}
+    assert get_lr_from_config(config) == (0.5, "")
+    from ds_config import load_config
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = build_lr_scheduler(load_config({"train_batch_size": 1, "scheduler": config}).scheduler, opt)
+    for _ in range(4):
+        schedule.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)

@@ -41,6 +41,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "get_accelerator": ("deepspeed.accelerator", "get_accelerator"),
     "PipelineModule": ("ds_pipe.module", "PipelineModule"),
     "add_config_arguments": ("deepspeed._initialize", "add_config_arguments"),
+    "add_tuning_arguments": ("deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
     "comm": ("deepspeed.comm", None),
     "initialize": ("deepspeed._initialize", "initialize"),
     "init_distributed": ("deepspeed.comm.comm", "init_distributed"),

@@ -50,7 +50,7 @@ class OneCycleParams(DSConfigModel):
     decay_lr_rate: AutoF = 0.0
     cycle_first_step_size: AutoPos = 2000
     """Steps in the increasing half of the cycle."""
-    cycle_second_step_size: AutoPos | None = None
+    cycle_second_step_size: AutoNonNeg | None = None  # 0: no falling half (DeepSpeed accepts it)
     """Steps in the decreasing half; ``None`` means ``cycle_first_step_size``."""
     cycle_first_stair_count: AutoNonNeg = 0
     cycle_second_stair_count: AutoNonNeg | None = None

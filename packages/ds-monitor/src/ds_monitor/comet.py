@@ -25,8 +25,8 @@ class CometMonitor(Monitor):
     section = "comet"
     config_model = CometConfig
 
-    def __init__(self, comet_config: Any, rank: int | None = None) -> None:  # DeepSpeed's parameter name
-        super().__init__(comet_config, rank)
+    def __init__(self, comet_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
+        super().__init__(comet_config, rank=rank)
 
     experiment: Any = None
     """The ``comet_ml`` experiment (set on the writing rank)."""

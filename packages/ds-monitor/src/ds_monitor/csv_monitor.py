@@ -49,8 +49,8 @@ class CSVMonitor(Monitor):
     section = "csv_monitor"
     config_model = CSVConfig
 
-    def __init__(self, csv_config: Any, rank: int | None = None) -> None:  # DeepSpeed's parameter name
-        super().__init__(csv_config, rank)
+    def __init__(self, csv_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
+        super().__init__(csv_config, rank=rank)
 
     log_dir: str | None = None
     """Directory of the CSV files (set on the writing rank)."""

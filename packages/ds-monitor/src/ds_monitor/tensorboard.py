@@ -28,8 +28,8 @@ class TensorBoardMonitor(Monitor):
     section = "tensorboard"
     config_model = TensorBoardConfig
 
-    def __init__(self, tensorboard_config: Any, rank: int | None = None) -> None:  # DeepSpeed's parameter name
-        super().__init__(tensorboard_config, rank)
+    def __init__(self, tensorboard_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
+        super().__init__(tensorboard_config, rank=rank)
 
     log_dir: str | None = None
     """Directory of the event files (set on the writing rank)."""

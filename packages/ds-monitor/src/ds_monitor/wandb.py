@@ -23,8 +23,8 @@ class WandbMonitor(Monitor):
     section = "wandb"
     config_model = WandbConfig
 
-    def __init__(self, wandb_config: Any, rank: int | None = None) -> None:  # DeepSpeed's parameter name
-        super().__init__(wandb_config, rank)
+    def __init__(self, wandb_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
+        super().__init__(wandb_config, rank=rank)
 
     run: Any = None
     """The ``wandb`` run (set on the writing rank)."""

@@ -13,6 +13,7 @@ import resource
 import torch
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator, local_rank_from_env
+from deepspeed.launcher._resources import local_size, numa_accelerator_count, numa_core_lists
 
 _PROC_STATUS = "/proc/self/status"
 
@@ -41,7 +42,8 @@ def _meminfo_kib(field: str) -> int | None:
 
 
 class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
-    """The host as DeepSpeed's device: one logical device per process, index = ``LOCAL_RANK``."""
+    """The host as DeepSpeed's device: ``LOCAL_SIZE`` logical devices (one per rank of the host), the
+    rank's index ``LOCAL_RANK``."""
 
     _name = "cpu"
     _communication_backend_name = "gloo"
@@ -56,8 +58,9 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
         return True
 
     def device_count(self) -> int:
-        """One: a CPU rank computes on the whole host (threads, not devices, split it)."""
-        return 1
+        """As DeepSpeed's: ``LOCAL_SIZE`` (the ranks on this host) when set and > 0, else the NUMA nodes that
+        own cores (duplicate fake-NUMA nodes once, core-less HBM nodes not), at least 1."""
+        return local_size(os.environ) or numa_accelerator_count(numa_core_lists())
 
     def current_device(self) -> int:
         """The rank's ``LOCAL_RANK`` (0 outside a launcher): its index among the ranks of this host."""
@@ -134,8 +137,19 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
 
     # -- dtypes -------------------------------------------------------------------------------------------
     def is_bf16_supported(self) -> bool:
+        """True, as DeepSpeed's CPU accelerator: torch computes bf16 on every CPU (natively or converted)."""
         return True
 
     def is_fp16_supported(self) -> bool:
-        """fp16 arithmetic runs on CPU in torch (emulated where the ISA lacks it)."""
-        return True
+        """Whether oneDNN has fp16 kernels for this CPU (AVX512-FP16/AMX-FP16), DeepSpeed's test."""
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):  # a torch built without mkldnn
+            return False
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """DeepSpeed's CPU order: fp32, bf16, then fp16 where this CPU has fp16 kernels."""
+        dtypes = [torch.float32, torch.bfloat16]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        return dtypes

@@ -99,7 +99,9 @@ def parse_resource_filter(host_info: dict[str, list[int]], include_str: str = ""
 
     The string is ``NODE_SPEC[@NODE_SPEC ...]`` with ``NODE_SPEC=NAME[:SLOT[,SLOT ...]]``; a NAME alone selects
     every slot of that host. Example: ``"worker-0@worker-1:0,2"``. Host order of ``host_info`` is kept so that
-    ranks map to nodes in hostfile order; hosts left with no slot are dropped.
+    ranks map to nodes in hostfile order; hosts left with no slot are dropped. Included slots come back sorted
+    and without duplicates, as DeepSpeed's (``"w:2,0,2"`` -> ``[0, 2]``); exclusion keeps ``host_info``'s order.
+    A host named both alone and with slots keeps all its slots (DeepSpeed would silently use only the slots).
     """
     if include_str and exclude_str:
         raise HostfileError(f"--include {include_str!r} and --exclude {exclude_str!r} are mutually exclusive")
@@ -125,6 +127,8 @@ def parse_resource_filter(host_info: dict[str, list[int]], include_str: str = ""
     ordered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
     for host in host_info:
         slots_left = _stable_remove_duplicates(filtered.get(host, []))
+        if include_str:
+            slots_left.sort()
         if slots_left:
             ordered[host] = slots_left
     return ordered

@@ -29,12 +29,58 @@ def local_gpu_count(environ: Mapping[str, str] | None = None) -> int:
     return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
 
 
+_NUMA_ROOT = "/sys/devices/system/node"
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    """Kernel cpulist ``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (empty text: no cores)."""
+    cores: list[int] = []
+    for item in text.strip().split(","):
+        if item:
+            lo, _, hi = item.partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+    return cores
+
+
+def numa_core_lists(root: str = _NUMA_ROOT) -> list[list[int]]:
+    """Cores of each NUMA node in node order, from sysfs (what ``numactl --hardware`` prints); [] if unknown."""
+    nodes = []
+    for path in glob.glob(os.path.join(root, "node[0-9]*")):
+        try:
+            with open(os.path.join(path, "cpulist")) as f:
+                nodes.append((int(os.path.basename(path)[4:]), _parse_cpulist(f.read())))
+        except (OSError, ValueError):
+            return []
+    return [cores for _, cores in sorted(nodes)]
+
+
+def numa_accelerator_count(core_lists: list[list[int]]) -> int:
+    """DeepSpeed's CPU device count without LOCAL_SIZE: NUMA nodes that own cores, a run of nodes with the
+    same cores (fake NUMA) counted once, nodes without cores (flat-mode HBM) skipped; 1 when unknown."""
+    count, previous = 0, None
+    for cores in core_lists:
+        if cores and cores != previous:
+            count += 1
+            previous = cores
+    return count or 1
+
+
+def local_size(environ: Mapping[str, str]) -> int:
+    """``LOCAL_SIZE`` as a positive int, or 0 when unset or <= 0; a non-integer value is an error naming it."""
+    raw = environ.get("LOCAL_SIZE", "").strip()
+    if not raw:
+        return 0
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        raise ValueError(f"LOCAL_SIZE={raw!r} is not an integer (the number of ranks on this host)") from None
+
+
 def local_cpu_slots(environ: Mapping[str, str] | None = None) -> int:
-    """Default number of CPU ranks per node: LOCAL_SIZE if set, else the NUMA node count (at least 1)."""
+    """Default number of CPU ranks per node, as DeepSpeed's CPU accelerator counts devices: LOCAL_SIZE if
+    set, else the NUMA nodes with cores (at least 1)."""
     environ = os.environ if environ is None else environ
-    if environ.get("LOCAL_SIZE", "").isdigit() and int(environ["LOCAL_SIZE"]) > 0:
-        return int(environ["LOCAL_SIZE"])
-    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+    return local_size(environ) or numa_accelerator_count(numa_core_lists())
 
 
 def local_slot_count(environ: Mapping[str, str] | None = None) -> int:

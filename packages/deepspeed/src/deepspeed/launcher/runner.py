@@ -36,7 +36,7 @@ from deepspeed.launcher.constants import (
 from deepspeed.launcher.multinode_runner import RUNNERS, PDSHRunner
 
 __all__ = ["fetch_hostfile", "parse_inclusion_exclusion", "parse_resource_filter", "encode_world_info",
-           "parse_args", "main", "_parse_hostfile"]
+           "parse_args", "main", "cli", "_parse_hostfile"]
 
 logger = logging.getLogger("deepspeed.launcher")
 
@@ -116,6 +116,14 @@ def _resource_pool(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[
 
 def select_resources(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, list[int]], bool]:
     """Active resources ``{host: [slot, ...]}`` after hostfile, include/exclude, --num_nodes and --num_gpus."""
+    active, from_hostfile, _ = select_resources_and_pool(args, env)
+    return active, from_hostfile
+
+
+def select_resources_and_pool(args: argparse.Namespace,
+                              env: dict[str, str]) -> tuple[dict[str, list[int]], bool, dict[str, int]]:
+    """:func:`select_resources` plus the resource pool ``{host: slots}`` it started from (DeepSpeed's
+    ``resource_pool``, which the MPI and Slurm runners take)."""
     if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
         raise ValueError("--num_nodes/--num_gpus cannot be combined with --include/--exclude "
                          f"(got --include={args.include!r} --exclude={args.exclude!r})")
@@ -135,7 +143,7 @@ def select_resources(args: argparse.Namespace, env: dict[str, str]) -> tuple[dic
         active = collections.OrderedDict((host, list(range(args.num_gpus))) for host in active)
     if not active:
         raise ValueError(f"no resources left after --include={args.include!r} --exclude={args.exclude!r}")
-    return active, from_hostfile
+    return active, from_hostfile, dict(pool)
 
 
 def _master_addr(args: argparse.Namespace, active: dict[str, list[int]], multi_node: bool) -> str:
@@ -196,9 +204,13 @@ def _run_local(args: argparse.Namespace, active: dict[str, list[int]], env: dict
     return launch.main(local_launch_args(args, encode_world_info(active), node_rank), env)
 
 
-def _run_multinode(args: argparse.Namespace, active: dict[str, list[int]], env: dict[str, str],
-                   ds_env: dict[str, str]) -> int:
-    runner = RUNNERS[args.launcher](args, encode_world_info(active))
+def _run_multinode(args: argparse.Namespace, active: dict[str, list[int]], pool: dict[str, int],
+                   env: dict[str, str], ds_env: dict[str, str]) -> int:
+    world_info = encode_world_info(active)
+    if args.launcher == PDSH_LAUNCHER:
+        runner = PDSHRunner(args, world_info)
+    else:
+        runner = RUNNERS[args.launcher](args, world_info, pool)
     if not runner.backend_exists():
         raise RuntimeError(f"launcher '{args.launcher}' not installed ('{runner.executable}' is not on PATH)")
     cwd = os.path.abspath(".")
@@ -227,7 +239,7 @@ def _run_multinode(args: argparse.Namespace, active: dict[str, list[int]], env: 
 def run(args: argparse.Namespace) -> int:
     """Launch the job described by parsed ``args``; returns the exit code."""
     env = dict(os.environ)
-    active, _ = select_resources(args, env)
+    active, _, pool = select_resources_and_pool(args, env)
     multi_node = args.force_multi or len(active) > 1
     ds_env = read_deepspeed_env([os.path.expanduser("~"), "."], DEEPSPEED_ENVIRONMENT_NAME)
     if multi_node and not args.no_ssh and args.launcher == PDSH_LAUNCHER and not args.no_ssh_check:
@@ -237,16 +249,21 @@ def run(args: argparse.Namespace) -> int:
     if not multi_node or args.no_ssh:
         env.update(ds_env)
         return _run_local(args, active, env)
-    return _run_multinode(args, active, env, ds_env)
+    return _run_multinode(args, active, pool, env, ds_env)
 
 
-def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of the ``deepspeed`` console script; exits with the job's exit code."""
+def _log_to_stderr() -> None:
     if not logging.getLogger().handlers and not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[launcher] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+def cli(args: Sequence[str] | None = None) -> None:
+    """The ``deepspeed`` command: a user error (bad resource arguments, missing backend) prints one line
+    ``deepspeed: error: ...`` and exits 2; otherwise exits with the job's exit code."""
+    _log_to_stderr()
     parsed = parse_args(args)
     try:
         code = run(parsed)
@@ -256,5 +273,20 @@ def main(args: Sequence[str] | None = None) -> None:
     sys.exit(code)
 
 
+def main(args: Sequence[str] | None = None) -> None:
+    """DeepSpeed's ``runner.main``: launch the job; a failing job exits with its exit code.
+
+    Called with ``args`` (a list, as programs and DeepSpeed's tests do), bad resource arguments raise
+    ``ValueError`` as DeepSpeed's does (a missing backend ``RuntimeError``). Without ``args`` it is the
+    console script and behaves as :func:`cli` (one error line, exit code 2).
+    """
+    if args is None:
+        cli()
+    _log_to_stderr()
+    code = run(parse_args(args))
+    if code:
+        sys.exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

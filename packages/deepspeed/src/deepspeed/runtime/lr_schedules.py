@@ -139,9 +139,15 @@ def get_torch_optimizer(optimizer: Any) -> Any:
                     "wrapper holding one as .optimizer, or an object with a param_groups list")
 
 
-def update_lr(param_groups: Sequence[dict], lrs: Sequence[float]) -> list[float]:
-    """Write ``lrs`` into the parameter groups; returns the rates now in the groups."""
+def update_lr(param_groups: Sequence[dict], lrs: Sequence[float]) -> list[Any]:
+    """Write ``lrs`` into the parameter groups; returns the rates now in the groups.
+
+    A group whose learning rate is a tensor keeps a tensor, as in DeepSpeed: the new rate is written as a
+    fresh one-element tensor on the old one's device (``torch.tensor([lr], device=...)``).
+    """
     for group, lr in zip(param_groups, lrs, strict=False):
+        if torch.is_tensor(group["lr"]):
+            lr = torch.tensor([lr], device=group["lr"].device)
         group["lr"] = lr
     return [group["lr"] for group in param_groups]
 
@@ -241,7 +247,11 @@ class OneCycle(_Schedule):
     Momentum moves inversely (``cycle_max_mom`` -> ``cycle_min_mom`` -> ``cycle_max_mom``), then grows as
     ``cycle_max_mom * (1 + decay_mom_rate * n / decay_step_size)``. It is written to a group's first beta
     (Adam-style ``betas``, keeping the group's second beta) or to its ``momentum`` (SGD-style). A stair count
-    ``k > 0`` makes that half of the cycle move in ``k`` equal stairs instead of continuously.
+    ``k > 0`` makes that half of the cycle move in ``k`` equal stairs instead of continuously, as DeepSpeed's:
+    the rising half counts stairs from its start, the falling half from the cycle's end.
+    ``cycle_second_step_size=0`` is a cycle without a falling half: the rate rises for
+    ``cycle_first_step_size`` batches and the cycle's last batch is back at ``cycle_min_lr`` (DeepSpeed's
+    phase wraps there), as DeepSpeed does.
     """
 
     def __init__(self, optimizer: Any, cycle_min_lr: float | list[float], cycle_max_lr: float | list[float],
@@ -255,7 +265,7 @@ class OneCycle(_Schedule):
         n_groups = len(self.optimizer.param_groups)
         self.first_step_size = _int(cycle_first_step_size, CYCLE_FIRST_STEP_SIZE, 1)
         second = self.first_step_size if cycle_second_step_size is None else cycle_second_step_size
-        self.second_step_size = _int(second, CYCLE_SECOND_STEP_SIZE, 1)
+        self.second_step_size = _int(second, CYCLE_SECOND_STEP_SIZE, 0)
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = _int(cycle_first_stair_count, CYCLE_FIRST_STAIR_COUNT, 0)
@@ -284,9 +294,11 @@ class OneCycle(_Schedule):
     def _scale_factor(self, iteration: int) -> float:
         """Position in the cycle's amplitude, 0 (at the min lr) .. 1 (at the max lr)."""
         batches = iteration + 1
+        if batches >= self.total_size:  # the cycle's end: DeepSpeed's phase wraps back to 0
+            return 0.0
         if batches <= self.first_step_size:
             return _stairs(batches, self.first_step_size, self.first_stair_count)
-        return 1.0 - _stairs(batches - self.first_step_size, self.second_step_size, self.second_stair_count)
+        return _stairs(self.total_size - batches, self.second_step_size, self.second_stair_count)
 
     def _decay_interval(self, iteration: int) -> float:
         return (iteration - self.total_size + 1) / self.decay_step_size
@@ -309,19 +321,22 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_mom_rate * self._decay_interval(iteration)
         return [hi * factor for hi in self.max_moms]
 
-    def get_mom(self) -> list[float] | None:
-        """Momentum (first beta) of every group at ``last_batch_iteration``; ``None`` when not cycled."""
-        return self._moms_at(self.last_batch_iteration) if self.cycle_momentum else None
+    def get_mom(self) -> list[tuple | float] | None:
+        """Momentum of every group at ``last_batch_iteration``, ``None`` when not cycled: for an Adam-style
+        group the ``betas`` pair ``(beta1, beta2)`` DeepSpeed returns (beta1 cycled, the group's beta2), for an
+        SGD-style group its ``momentum``."""
+        if not self.cycle_momentum:
+            return None
+        moms = self._moms_at(self.last_batch_iteration)
+        return [(mom, *tuple(group["betas"])[1:]) if _momentum_key(group) == "betas" else mom
+                for group, mom in zip(self.optimizer.param_groups, moms, strict=True)]
 
     def _apply(self) -> None:
         super()._apply()
         if not self.cycle_momentum:
             return
         for group, momentum in zip(self.optimizer.param_groups, self.get_mom(), strict=False):
-            if _momentum_key(group) == "betas":
-                group["betas"] = (momentum, *tuple(group["betas"])[1:])
-            else:
-                group["momentum"] = momentum
+            group[_momentum_key(group)] = momentum
 
 
 def _momentum_key(group: dict) -> str | None:
@@ -329,7 +344,8 @@ def _momentum_key(group: dict) -> str | None:
 
 
 def _stairs(done: int, size: int, stair_count: int) -> float:
-    """Fraction ``done / size`` of a half cycle, quantised down to ``stair_count`` stairs when > 0."""
+    """Fraction ``done / size`` of a half cycle, quantised down to ``stair_count`` stairs when > 0
+    (``size`` > 0: callers reach here only inside a half of non-zero length)."""
     if stair_count == 0:
         return done / size
     return (done * stair_count // size) / stair_count
@@ -358,8 +374,9 @@ class WarmupLR(_Schedule):
         self._uses_base_lrs = warmup_max_lr is None
         max_lrs = self.base_lrs if warmup_max_lr is None else warmup_max_lr
         self._set_max_lrs(_per_group(max_lrs, WARMUP_MAX_LR, n_groups))
-        # log(1) = 0 cannot normalise the log curve, hence at least 2 warm-up steps (as DeepSpeed).
-        self.warmup_num_steps = max(2, _int(warmup_num_steps, WARMUP_NUM_STEPS, 0))
+        # DeepSpeed rejects warmup_num_steps <= 0 (ValueError); log(1) = 0 cannot normalise the log curve,
+        # hence at least 2 warm-up steps (as DeepSpeed).
+        self.warmup_num_steps = max(2, _int(warmup_num_steps, WARMUP_NUM_STEPS, 1))
         self.warmup_type = _warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self._check_total_steps()
@@ -414,7 +431,8 @@ class WarmupDecayLR(WarmupLR):
 class WarmupCosineLR(_Schedule):
     """Scale the optimizer's own learning rates: warm up from ``warmup_min_ratio`` to 1 over
     ``warmup_num_steps`` batches, then follow a half cosine down to ``cos_min_ratio`` at ``total_num_steps``
-    and stay there.
+    and stay there. Before the first ``step()`` the ratio is 0 (DeepSpeed's), so a fresh schedule sets the
+    rates to 0.
     """
 
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
@@ -425,7 +443,7 @@ class WarmupCosineLR(_Schedule):
         self.total_num_steps = _int(total_num_steps, TOTAL_NUM_STEPS, 1)
         self.warmup_min_ratio = _ratio(warmup_min_ratio, WARMUP_MIN_RATIO)
         self.cos_min_ratio = _ratio(cos_min_ratio, COS_MIN_RATIO)
-        self.warmup_num_steps = max(2, _int(warmup_num_steps, WARMUP_NUM_STEPS, 0))
+        self.warmup_num_steps = max(2, _int(warmup_num_steps, WARMUP_NUM_STEPS, 1))
         self.warmup_type = _warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         if self.total_num_steps < self.warmup_num_steps:
@@ -439,6 +457,8 @@ class WarmupCosineLR(_Schedule):
         return self.base_lrs
 
     def _ratio_at(self, iteration: int) -> float:
+        if iteration < 0:  # before the first step DeepSpeed's ratio is 0, not warmup_min_ratio
+            return 0.0
         if iteration < self.warmup_num_steps:
             rise = _warmup_fraction(self.warmup_type, iteration, self.warmup_num_steps)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * rise
@@ -514,3 +534,12 @@ def build_lr_scheduler(section: Any, optimizer: Any) -> Any:
         return schedule_class(torch_optimizer, **params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(ConfigProblem("scheduler.params", f"{section.type}: {exc}")) from exc
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed's command-line helpers live in ``_lr_tuning_args`` (which imports this module's constants)."""
+    if name in ("add_tuning_arguments", "parse_arguments", "get_config_from_args", "get_lr_from_config"):
+        from deepspeed.runtime import _lr_tuning_args
+
+        return getattr(_lr_tuning_args, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from deepspeed.runtime.checkpointing._layout import (
 )
 from deepspeed.runtime.checkpointing._serialize import compact_for_save, module_state_dict, save_file
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
-from deepspeed.runtime.checkpointing._sync import Meeting, check_same_call, open_meeting
+from deepspeed.runtime.checkpointing._sync import Meeting, arrive, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
 
 _OP = "save_checkpoint"
@@ -119,6 +119,18 @@ def _agree(meeting: Meeting | None, phase: str, error: BaseException | None, wai
                               f"({detail})") from error
 
 
+def check_save_dir(save_dir: object, op: str = _OP) -> str:
+    """``save_dir`` as a ``str`` path; ``None``, ``""`` or a non-path is a ``ValueError`` naming the argument."""
+    try:
+        path = os.fsdecode(os.fspath(save_dir))  # type: ignore[arg-type]
+    except TypeError:
+        path = ""
+    if not path:
+        raise ValueError(f"{op}: save_dir={save_dir!r} is invalid; accepted: a non-empty directory path (str or "
+                         "os.PathLike) under which <save_dir>/<tag>/ and <save_dir>/latest are written")
+    return path
+
+
 def save_checkpoint(state: EngineState | Any, save_dir: str | os.PathLike, tag: object = None,
                     client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> str:
@@ -130,13 +142,18 @@ def save_checkpoint(state: EngineState | Any, save_dir: str | os.PathLike, tag: 
     ``<save_dir>/latest`` at the tag, after every rank's files are complete.
     """
     state = as_engine_state(state)
-    save_dir = os.fspath(save_dir)
-    tag = validate_tag(default_tag(state.counters.global_steps) if tag is None else tag)
+    problem: ValueError | None = None  # bad arguments: raised on every rank, after telling the others
+    try:
+        save_dir = check_save_dir(save_dir)
+        tag = validate_tag(default_tag(state.counters.global_steps) if tag is None else tag)
+    except ValueError as exc:  # CheckpointTagError is a ValueError too
+        problem = exc
     meeting = open_meeting(_OP, state.sync)
     if meeting is not None:
-        arrivals = meeting.exchange("arrive", f"{_OP}|{tag}", f"call {_OP} (tag {tag!r})")
-        tags = check_same_call(_OP, arrivals, meeting.rank)
+        tags = arrive(meeting, _OP, None if problem else tag, problem)
         validate_tags(tags, state.checkpoint_config.tag_validation, meeting.rank)
+    elif problem is not None:
+        raise problem
     ctx = ShardContext(tag_dir=os.path.join(save_dir, tag), parallel=state.parallel,
                        config=state.checkpoint_config, exclude_frozen_parameters=exclude_frozen_parameters)
     error: BaseException | None = None

@@ -144,8 +144,28 @@ def open_meeting(op: str, sync: SyncOptions) -> Meeting | None:
     return Meeting(op, sync)
 
 
+# Tags never contain NUL (``validate_tag``), so an arrival whose tag starts with it carries instead the error
+# of a rank whose own arguments were bad: the others learn it at once rather than waiting out the timeout.
+_BAD_ARGUMENTS = "\0"
+
+
+def arrive(meeting: Meeting, op: str, tag: str | None, problem: Exception | None) -> dict[int, str]:
+    """The first meeting of a collective call: post ``"<op>|<tag>"`` (or this rank's argument error), wait
+    for every rank, then raise on every rank if any rank's arguments were bad; returns the tags by rank.
+
+    A rank with bad arguments re-raises its own error; the others raise ``ValueError`` naming it, so no rank
+    is left waiting for one that will never come.
+    """
+    value = f"{op}|{tag}" if problem is None else f"{op}|{_BAD_ARGUMENTS}{problem}"
+    arrivals = meeting.exchange("arrive", value, f"call {op} (tag {tag!r})")
+    if problem is not None:
+        raise problem
+    return check_same_call(op, arrivals, meeting.rank)
+
+
 def check_same_call(op: str, arrivals: dict[int, str], rank: int) -> dict[int, str]:
-    """Split ``"<op>|<tag>"`` arrivals; raise if some rank made a different checkpoint call. Returns tags."""
+    """Split ``"<op>|<tag>"`` arrivals; raise if some rank made a different checkpoint call or was called with
+    bad arguments. Returns tags."""
     calls: dict[str, list[int]] = {}
     tags: dict[int, str] = {}
     for peer, value in arrivals.items():
@@ -155,4 +175,9 @@ def check_same_call(op: str, arrivals: dict[int, str], rank: int) -> dict[int, s
     if len(calls) > 1:
         detail = "; ".join(f"{name} on ranks {peers}" for name, peers in sorted(calls.items()))
         raise CheckpointSyncError(f"{op} on rank {rank}: ranks made different checkpoint calls at once: {detail}")
+    bad = {peer: tag[len(_BAD_ARGUMENTS):] for peer, tag in tags.items() if tag.startswith(_BAD_ARGUMENTS)}
+    if bad:
+        detail = "; ".join(f"rank {peer}: {message}" for peer, message in sorted(bad.items()))
+        raise ValueError(f"{op} on rank {rank}: ranks {sorted(bad)} were called with invalid arguments ({detail}); "
+                         f"{op} is collective, so every rank stops")
     return tags
