@@ -39,3 +39,23 @@ def _no_leaked_process_group():
         dist.destroy_process_group()
         pytest.fail("the test left a torch.distributed process group initialised in the pytest process; "
                     "run multi-rank code through _harness.run_distributed, or destroy the group")
+
+
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "CROSS_RANK", "CROSS_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _launch_environment_restored():
+    """``deepspeed.init_distributed`` writes the launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) into the
+    environment, as DeepSpeed does; left in the pytest process they would make a later test (zero.Init, the comm
+    discovery) believe it runs under a launcher. Each test starts and ends with the same values."""
+    import os
+
+    before = {name: os.environ.get(name) for name in _LAUNCH_VARS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
