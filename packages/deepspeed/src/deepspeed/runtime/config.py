@@ -18,8 +18,8 @@ from typing import Any
 
 from deepspeed.runtime.constants import *  # noqa: F403 -- DeepSpeed's module star-exports its constants too
 from deepspeed.runtime.constants import FP16_INITIAL_SCALE_POWER_DEFAULT, FP16_LOSS_SCALE_DEFAULT, ValidationMode
-from ds_config import DeepSpeedConfig as TypedDeepSpeedConfig
 from ds_config import ConfigError as DeepSpeedConfigError  # noqa: F401 - the same class as deepspeed.DeepSpeedConfigError
+from ds_config import DeepSpeedConfig as TypedDeepSpeedConfig
 from ds_config import DeepSpeedMonitorConfig, load_config, read_source, torch_dtype_name
 from ds_config.config import *  # noqa: F403 -- ds_config.config's names stay reachable at this path
 from ds_config.config_utils import ScientificNotationEncoder, dict_raise_error_on_duplicate_keys
