@@ -217,7 +217,8 @@ _NOT_BUILT_PROBE = r"""
 import importlib, json
 import deepspeed
 out = {}
-for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.engine", "deepspeed.inference.engine"):
+for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.engine", "deepspeed.inference.engine",
+             "deepspeed.checkpointing"):
     try:
         importlib.import_module(path)
         out[path] = "imported"
@@ -241,11 +242,12 @@ def test_paths_of_features_not_built_yet_say_so(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
-    kind, name, message = out["deepspeed.moe.layer"]
-    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.moe")
-    assert "Mixture of Experts" in message and "does not provide yet" in message
+    kind, name, message = out["deepspeed.checkpointing"]
+    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.checkpointing")
+    assert "activation checkpointing" in message and "does not provide yet" in message
+    assert out["deepspeed.moe.layer"] == "imported"
     assert out["deepspeed.pipe"] == "imported" and out["deepspeed.runtime.pipe.engine"] == "imported"
     assert "inference" in out["deepspeed.inference.engine"][2]
-    assert out["hasattr"] == [False, False, True]
+    assert out["hasattr"] == [True, False, True]
     assert out["attr"].startswith("deepspeed.init_inference is part of inference")
     assert out["served"] == "ds_config.inference"

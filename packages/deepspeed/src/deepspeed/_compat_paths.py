@@ -51,12 +51,17 @@ COMPAT_PATHS: dict[str, str] = {
     # pipeline model: PipelineModule, LayerSpec, TiedLayerSpec (ds-pipe, issue 14)
     "deepspeed.runtime.pipe.module": "ds_pipe.module",
     "deepspeed.pipe": "ds_pipe.pipe_api",
+    # Mixture of Experts (ds-moe, issue 15)
+    "deepspeed.moe": "ds_moe",
+    "deepspeed.moe.layer": "ds_moe.layer",
+    "deepspeed.moe.sharded_moe": "ds_moe.sharded_moe",
+    "deepspeed.moe.experts": "ds_moe.experts",
+    "deepspeed.moe.utils": "ds_moe.utils",
 }
 
 
 NOT_BUILT: dict[str, str] = {
     # documented module path (and everything below it) -> the feature it belongs to, not built in this version
-    "deepspeed.moe": "Mixture of Experts (deepspeed.moe.layer.MoE, expert parallelism, AutoEP)",
     "deepspeed.inference.engine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.module_inject": "inference kernel injection and AutoTP (deepspeed.module_inject)",

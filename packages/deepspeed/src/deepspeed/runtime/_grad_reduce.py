@@ -199,3 +199,21 @@ class BucketedAllReduce:
                 _write_back(self.wrapper, p, bucket.slice(i))
             bucket.ready.clear()
         self.next_launch = 0
+
+
+class GroupedReducer:
+    """One reducer per process group, behind one ``GradientReducer``: MoE expert parameters average over their
+    expert-data-parallel group (divided by the whole data-parallel size, as DeepSpeed does, so gradients do not
+    depend on ``ep_size``), the rest over the data-parallel group."""
+
+    def __init__(self, reducers: list[tuple[list[torch.nn.Parameter], Any]]) -> None:
+        self.reducers = [reducer for _, reducer in reducers]
+        self.owner = {p: reducer for params, reducer in reducers for p in params}
+        self.every_micro_step = any(r.every_micro_step for r in self.reducers)
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        self.owner[param].grad_ready(param)
+
+    def finish(self) -> None:
+        for reducer in self.reducers:
+            reducer.finish()

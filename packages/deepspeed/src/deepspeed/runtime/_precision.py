@@ -48,6 +48,15 @@ def _agree_on_overflow(overflow: bool, group: Any) -> bool:
     return bool(flag.item() > 0)
 
 
+def _summed_square(local_norm: float, group: Any) -> float:
+    """``local_norm ** 2`` summed over ``group`` (inf/nan on any rank stays inf/nan)."""
+    square = torch.tensor([local_norm ** 2], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        square = square.cuda()
+    dist.all_reduce(square, group=group)
+    return float(square)
+
+
 class FP32Optimizer(LossScaledWrapper):
     """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
 
@@ -61,6 +70,9 @@ class FP32Optimizer(LossScaledWrapper):
         self.check_overflow = check_overflow or loss_scaler is not None
         self.global_grad_norm: float | None = None
         self.overflow = False
+        self.expert_norm_groups: dict[str, Any] = {}
+        """MoE: expert group name -> its expert-parallel group (set by the MoE setup): each expert rank holds
+        other experts, so their squares are summed over that group, as DeepSpeed's norm with MoE layers."""
 
     # ---- the engine's view (loss_scale, cur_scale, scales_loss, param_groups, state: LossScaledWrapper) ----
     @property
@@ -90,10 +102,18 @@ class FP32Optimizer(LossScaledWrapper):
     def _grad_norm(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
         """The norm over every model-parallel rank (this rank's alone without model parallelism); a gradient
         left out (another rank counts it) that is inf/nan still makes the norm nan (an overflow)."""
-        counted, left_out = [], []
+        counted, left_out, experts = [], [], {}
         for p, g in pairs:
-            (counted if counts_in_norm(p, self.norm_scope) else left_out).append(g)
+            if not counts_in_norm(p, self.norm_scope):
+                left_out.append(g)
+            elif getattr(p, "allreduce", True) is False and p.group_name in self.expert_norm_groups:
+                experts.setdefault(p.group_name, []).append(g)
+            else:
+                counted.append(g)
         norm = global_norm(counted)
+        if experts:
+            norm = math.sqrt(norm ** 2 + sum(_summed_square(global_norm(grads), self.expert_norm_groups[name])
+                                             for name, grads in sorted(experts.items())))
         if left_out and not math.isfinite(global_norm(left_out)):
             norm = math.nan
         return model_parallel_norm(norm, self.norm_scope)

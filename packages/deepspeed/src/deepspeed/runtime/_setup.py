@@ -159,6 +159,10 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
                                             "fp32; accepted: fp32", config.data_types.grad_accum_dtype))
         wrapper = FP32Optimizer(inputs.basic_optimizer, **common)
     options = reduce_options(config, inputs.params, inputs.dp_group, inputs.dp_world_size)
+    if any(getattr(p, "allreduce", True) is False for p in inputs.params):  # MoE experts: their own groups
+        from deepspeed.runtime import _moe_setup
+
+        return wrapper, _moe_setup.reducer(inputs.params, wrapper, options)
     return wrapper, BucketedAllReduce(inputs.params, wrapper, options)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime import _setup
+from deepspeed.runtime import _moe_setup, _setup
 from deepspeed.runtime._accessors import ConfigAccessors
 from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
 from deepspeed.runtime._zero3_engine import Zero3EngineMethods
@@ -55,17 +55,29 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._place(mpu, dp_group)
         self.module = _setup.prepare_module(model, config, self.device)
+        self.has_moe_layers = _moe_setup.has_moe(self.module)
+        if self.has_moe_layers:
+            if config.zero_stage == 3:
+                raise ConfigError(ConfigProblem("zero_optimization.stage", "MoE layers (ds_moe / deepspeed.moe) train "
+                                                "with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
+            _moe_setup.configure(self.module, mpu)
         self.zero3_scheduler = None  # ZeRO-3: gathers and releases the partitioned parameters around each module
         if config.zero_stage == 3:
             from deepspeed.runtime._zero3_setup import partition_model
 
             self.zero3_scheduler = partition_model(self.module, config, self.dp_group, self.device, mpu)
+        elif self.has_moe_layers:
+            _moe_setup.broadcast_module(self.module, self.dp_group)
         else:
             _setup.broadcast_module(self.module, self.dp_group)
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
         self._released: str | None = None  # why this engine may no longer train (see _release)
         self._configure_optimizer(optimizer, model_parameters, lr_scheduler)
+        if self.has_moe_layers:
+            from deepspeed.runtime._moe_checkpoint import MoECheckpointShards
+
+            self.checkpoint_shards = (*self.checkpoint_shards, MoECheckpointShards(self))
         self._configure_training_state()
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
@@ -117,6 +129,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
             self._configure_without_optimizer(lr_scheduler)
             return
         chosen = list(model_parameters) if model_parameters is not None else params
+        if self.has_moe_layers and not isinstance(optimizer, torch.optim.Optimizer):
+            chosen = _moe_setup.param_groups(chosen)  # as DeepSpeed: expert parameters in their own groups
         offload = self._config.zero_optimization.offload_optimizer
         cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith("cpu")
         self.basic_optimizer = build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)

@@ -9,7 +9,8 @@ this rank alone, created on first use with a group-local barrier, so no other ra
 "Model parallel" has two meanings here, as in DeepSpeed: ``_get_model_parallel_*`` is the mpu's model group (for
 the pipeline grid: every rank of one data-parallel replica, all stages and slices), while the public
 ``get_model_parallel_*`` is the tensor-parallel group (DeepSpeed's 2-D data x tensor API).
-Expert-parallel groups are not here: they belong to Mixture of Experts.
+Expert-parallel and expert-data-parallel groups (``_create_expert_and_data_parallel``, ``_get_expert_*``,
+``_get_max_expert_*``) are ``ds_moe.groups``' (MoE creates them per ``ep_size``); this module serves them by name.
 """
 
 from __future__ import annotations
@@ -243,3 +244,23 @@ get_model_parallel_rank = get_tensor_model_parallel_rank
 get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size
 get_data_parallel_rank = _get_data_parallel_rank
+
+
+_EXPERT_NAMES = frozenset({
+    "_create_expert_and_data_parallel", "_create_expert_data_and_model_parallel", "_get_expert_parallel_group",
+    "_get_expert_parallel_group_ranks", "_get_expert_parallel_group_dict", "_get_expert_data_parallel_group",
+    "_get_expert_data_parallel_group_ranks", "_get_expert_data_parallel_group_dict",
+    "_get_expert_parallel_world_size", "_get_expert_parallel_rank", "_get_expert_data_parallel_world_size",
+    "_get_expert_data_parallel_rank", "_get_expert_parallel_src_rank", "_get_expert_broadcast_src_rank",
+    "_get_expert_model_parallel_world_size", "_get_max_expert_size", "_get_max_expert_size_name",
+    "_get_max_expert_parallel_group",
+})
+
+
+def __getattr__(name: str) -> Any:
+    """The expert-group functions, from ``ds_moe.groups`` (imported on first use)."""
+    if name in _EXPERT_NAMES:
+        from ds_moe import groups as expert_groups
+
+        return getattr(expert_groups, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

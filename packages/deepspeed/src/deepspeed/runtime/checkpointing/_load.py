@@ -126,7 +126,13 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
         return None, None
     checkpoint = _read_model_states(state, path)
     if not state.module_in_shards():
-        _load_module(state, checkpoint["module"], load_module_strict, custom_load_fn, path)
+        weights = checkpoint["module"]
+        for shard in state.shards:  # weights kept in the extension's own files (MoE experts) join the rest
+            complete = getattr(shard, "complete_module_state", None)
+            if complete is not None:
+                weights = complete(dict(weights), lambda name: load_file(os.path.join(tag_dir, name),
+                                                                         trusted=state.trusted_load))
+        _load_module(state, weights, load_module_strict, custom_load_fn, path)
     consumed = ["module"]
     if not load_module_only:
         _restore_training_state(state, checkpoint, load_optimizer_states, load_lr_scheduler_states, path)

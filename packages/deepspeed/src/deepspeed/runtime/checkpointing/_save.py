@@ -42,7 +42,7 @@ def model_states(state: EngineState, client_state: Mapping[str, Any] | None,
         optimizer = compact_for_save(state.optimizer.state_dict())
     scheduler = None if state.lr_scheduler is None else compact_for_save(state.lr_scheduler.state_dict())
     payload: dict[str, Any] = {
-        "module": None if state.module_in_shards() else module_state_dict(state.module, exclude_frozen_parameters),
+        "module": None if state.module_in_shards() else _shared_module_state(state, exclude_frozen_parameters),
         "buffer_names": [name for name, _ in state.module.named_buffers()],
         "optimizer": optimizer,
         "param_shapes": None,
@@ -66,6 +66,16 @@ def model_states(state: EngineState, client_state: Mapping[str, Any] | None,
         payload.update(shard.model_state_extras())
     payload.update(client_state or {})
     return payload
+
+
+def _shared_module_state(state: EngineState, exclude_frozen_parameters: bool) -> dict[str, Any]:
+    """The module's state dict minus what extensions keep in their own files (``strip_module_state``: MoE experts)."""
+    weights = module_state_dict(state.module, exclude_frozen_parameters)
+    for shard in state.shards:
+        strip = getattr(shard, "strip_module_state", None)
+        if strip is not None:
+            weights = strip(weights)
+    return weights
 
 
 def _rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str, Any] | None) -> dict[str, Any]:
