@@ -130,3 +130,23 @@ def test_moe_checkpoint_loads_onto_another_ep_size(tmp_path):
     for r in saved:
         assert sorted(r["experts_after_load"]) == [0, 1, 2, 3]
         torch.testing.assert_close(r["experts_after_load"][3][:saved_weight.numel()], saved_weight.flatten())
+
+
+def _load_with_missing_expert(save_dir: str) -> str:
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=Net(2), config=_config())
+    try:
+        engine.load_checkpoint(save_dir, tag="t")
+    except (FileNotFoundError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_missing_expert_file_is_named(tmp_path):
+    run_distributed(_save_and_resume, world_size=2, args=(2, 2, str(tmp_path)), timeout=120)
+    (tmp_path / "t" / "layer_0_expert_2_mp_rank_00_model_states.pt").unlink()
+    got = run_distributed(_load_with_missing_expert, world_size=2, args=(str(tmp_path),), timeout=120)
+    # rank 1 (experts 2, 3) names the file; rank 0, which read its own experts, fails with it instead of going on
+    assert got[1].startswith("FileNotFoundError") and "layer_0_expert_2_mp_rank_00_model_states.pt" in got[1]
+    assert got[0].startswith("CheckpointError") and "failed on ranks [1]" in got[0] and "expert_2" in got[0]

@@ -124,14 +124,34 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
     if not os.path.isfile(path):
         logger.warning(f"Client provided checkpoint load path: {path} does not exist ... skip checkpoint load")
         return None, None
+    error: BaseException | None = None
+    try:
+        checkpoint, consumed = _restore(state, path, tag_dir, load_module_strict, load_optimizer_states,
+                                        load_lr_scheduler_states, load_module_only, custom_load_fn)
+    except Exception as exc:  # shared with the other ranks below, then raised everywhere
+        error = exc
+    _agree_loaded(meeting, error, tag_dir)
+    if load_lr_scheduler_states:
+        consumed.append("lr_scheduler")
+    if load_optimizer_states:
+        consumed.append("optimizer")
+    return path, {key: value for key, value in checkpoint.items() if key not in consumed}
+
+
+def _restore(state: EngineState, path: str, tag_dir: str, load_module_strict: bool, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, load_module_only: bool,
+             custom_load_fn: Callable[..., Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """Read the model states and every extension's files into ``state``; returns the checkpoint and the keys used."""
+    def load(name: str) -> Any:
+        return load_file(os.path.join(tag_dir, name), trusted=state.trusted_load)
+
     checkpoint = _read_model_states(state, path)
     if not state.module_in_shards():
         weights = checkpoint["module"]
         for shard in state.shards:  # weights kept in the extension's own files (MoE experts) join the rest
             complete = getattr(shard, "complete_module_state", None)
             if complete is not None:
-                weights = complete(dict(weights), lambda name: load_file(os.path.join(tag_dir, name),
-                                                                         trusted=state.trusted_load))
+                weights = complete(dict(weights), load)
         _load_module(state, weights, load_module_strict, custom_load_fn, path)
     consumed = ["module"]
     if not load_module_only:
@@ -141,10 +161,22 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
                        load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
                        load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
     for shard in state.shards:
-        shard.load_files(ctx, lambda name: load_file(os.path.join(tag_dir, name), trusted=state.trusted_load))
-    if load_lr_scheduler_states:
-        consumed.append("lr_scheduler")
-    if load_optimizer_states:
-        consumed.append("optimizer")
-    return path, {key: value for key, value in checkpoint.items() if key not in consumed}
+        shard.load_files(ctx, load)
+    return checkpoint, consumed
 
+
+def _agree_loaded(meeting: Any, error: BaseException | None, tag_dir: str) -> None:
+    """Every rank fails when any rank could not load its part (one rank going on alone would hang the others)."""
+    if meeting is None:
+        if error is not None:
+            raise error
+        return
+    outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
+    statuses = meeting.exchange("loaded", outcome, f"finish loading {tag_dir}")
+    failed = {rank: status for rank, status in statuses.items() if status != "ok"}
+    if error is not None:
+        raise error
+    if failed:
+        detail = "; ".join(f"rank {rank}: {status}" for rank, status in sorted(failed.items()))
+        raise CheckpointError(f"{_OP} on rank {meeting.rank}: loading {tag_dir} failed on ranks {sorted(failed)} "
+                              f"({detail}); this rank's model may be partly loaded, load again")
