@@ -8,13 +8,33 @@ place with no per-parameter copies. This rank keeps only its partition of the fp
 (``grad_partition``: the model dtype, or fp32 with fp32 gradient accumulation). Stage 2 keeps the gradient
 partition for the whole run; stage 1 (``persistent_grads=False``) allocates it when gradients are reduced and
 frees it after the step, as DeepSpeed does, since stage 1 holds full gradients in between anyway.
+
+A group is partitioned over the data-parallel group unless its owner gives it another one (:class:`GroupComm`:
+MoE expert groups are partitioned and reduced over their expert-data-parallel group); ``process_group`` and
+``grad_divisor`` say over which ranks its gradients are summed and by what they are divided.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from ds_zero.partition import FlatLayout, Fragment, round_robin_order
+
+
+@dataclass(frozen=True, eq=False)
+class GroupComm:
+    """The ranks one optimizer parameter group is partitioned, reduced and gathered over, instead of the
+    data-parallel group: ``group`` (a process group, None for the default one) of ``world_size`` ranks.
+    Gradients summed over it are divided by ``grad_divisor`` (None: the data-parallel world size). MoE expert
+    groups: the expert-data-parallel group, divided by the whole data-parallel size, as DeepSpeed does, so that
+    expert gradients are averages over every rank's tokens and do not depend on ``ep_size``."""
+
+    group: Any = None
+    world_size: int = 1
+    grad_divisor: float | None = None
 
 
 def param_homes(groups: list[FlatGroup]) -> dict[torch.nn.Parameter, tuple[int, int]]:
@@ -34,6 +54,8 @@ class FlatGroup:
         self.params = params
         self.names = names
         self.rank = rank
+        self.process_group: Any = None  # the ranks of this group's partitions (None: the default group)
+        self.grad_divisor = float(world_size)  # summed gradients are divided by this (set by the owner)
         self.layout = FlatLayout([p.numel() for p in params], world_size)
         self.own: list[Fragment] = self.layout.fragments(rank)
         device = params[0].device if params else torch.device("cpu")

@@ -18,6 +18,9 @@ Stage 2 (``every_micro_step``) reduces after every backward and adds into its pe
 reduces the whole accumulated gradient at the accumulation boundary and replaces the partitions.
 ``contiguous_gradients`` keeps the communication buffers allocated and reuses them (no allocation in the hot
 path, no fragmentation); without it each bucket gets a fresh buffer that is freed after its reduction.
+A bucket holds parameters of groups that share one process group (a :class:`_Channel`): the data-parallel
+group, or a MoE expert group's expert-data-parallel group, whose sums are divided by the whole data-parallel
+size (``FlatGroup.grad_divisor``) rather than by its own.
 """
 
 from __future__ import annotations
@@ -52,9 +55,33 @@ class ReduceSettings:
     gradient_predivide_factor: float = 1.0
 
 
+@dataclass(frozen=True, eq=False)
+class _Channel:
+    """The ranks a bucket is reduced over: ``group`` of ``world`` ranks (this one is ``rank``), the divisor of
+    the summed gradients, and whether pieces travel point to point (gloo)."""
+
+    group: Any
+    world: int
+    rank: int
+    divisor: float
+    p2p: bool
+
+    @classmethod
+    def of(cls, fg: FlatGroup) -> _Channel:
+        world = fg.layout.world_size
+        p2p = world > 1 and dist.get_backend(fg.process_group) == "gloo"
+        return cls(fg.process_group, world, fg.rank, fg.grad_divisor, p2p)
+
+    def peer(self, rank: int) -> int:
+        """The global rank of ``rank`` in this channel's group."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device,
+                 channel: _Channel) -> None:
         self.params = params
+        self.channel = channel
         self.offsets = []
         total = 0
         for p in params:
@@ -74,7 +101,9 @@ class _Bucket:
 
 
 class PartitionedReducer:
-    """Averages gradients over the data-parallel group into each ``FlatGroup.grad_partition``."""
+    """Averages gradients over each group's process group (the data-parallel one unless the group says otherwise)
+    into each ``FlatGroup.grad_partition``; ``process_group`` / ``world_size``: the data-parallel group, over
+    which the unused-parameter verdict is agreed."""
 
     def __init__(self, params: list[torch.nn.Parameter], groups: list[FlatGroup],
                  home: dict[torch.nn.Parameter, tuple[int, int]], get_grad: Callable, grad_dtype: Callable,
@@ -91,6 +120,7 @@ class PartitionedReducer:
         self.home = home  # parameter -> (group, index in the group's flat order)
         self.groups = groups
         self.params = [p for p in params if p in self.home]
+        self._channels = self._group_channels(groups)
         self.buckets = self._plan(self.params)
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.next_launch = 0
@@ -100,13 +130,23 @@ class PartitionedReducer:
         self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._unused: list[torch.nn.Parameter] = []
         self._pass_open = False  # a reduction pass (one backward's buckets) has started writing back
-        # gloo moves a bucket's pieces to their owners faster point to point than by all-reduce
-        self._p2p = world_size > 1 and dist.get_backend(process_group) == "gloo"
         if settings.contiguous_gradients:  # DeepSpeed's contiguous buffer(s), allocated up front
             for key, size in self._pool_sizes().items():
                 self._pool[key] = [torch.empty(size, dtype=key[0], device=key[1])
                                    for _ in range(2 if settings.overlap_comm else 1)]
         self.reduced = False  # the partitions hold this window's averaged gradients
+
+    @staticmethod
+    def _group_channels(groups: list[FlatGroup]) -> list[_Channel]:
+        """Each group's channel; groups over the same process group and divisor share one."""
+        channels: dict[tuple[int, int, float], _Channel] = {}
+        out = []
+        for fg in groups:
+            key = (id(fg.process_group), fg.layout.world_size, fg.grad_divisor)
+            if key not in channels:
+                channels[key] = _Channel.of(fg)
+            out.append(channels[key])
+        return out
 
     def _plan(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         buckets, current, size = [], [], 0
@@ -119,11 +159,13 @@ class PartitionedReducer:
         if current:
             buckets.append(current)
         out = []
-        for members in buckets:  # split by communication dtype, keeping the order
-            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for members in buckets:  # split by communication dtype and process group, keeping the order
+            split: dict[tuple[torch.dtype, int], list[torch.nn.Parameter]] = {}
             for p in members:
-                by_dtype.setdefault(self._comm_dtype(p), []).append(p)
-            out.extend(_Bucket(ps, dtype, ps[0].device) for dtype, ps in by_dtype.items())
+                channel = self._channels[self.home[p][0]]
+                split.setdefault((self._comm_dtype(p), id(channel)), []).append(p)
+            out.extend(_Bucket(ps, dtype, ps[0].device, self._channels[self.home[ps[0]][0]])
+                       for (dtype, _), ps in split.items())
         return out
 
     def _comm_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
@@ -223,17 +265,17 @@ class PartitionedReducer:
                 for fg in self.groups:
                     fg.grad_partition.zero_()
         self._pack(bucket)
-        flat = bucket.flat
-        pre = 1.0 / self.world if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
+        flat, channel = bucket.flat, bucket.channel
+        pre = 1.0 / channel.divisor if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
         if pre != 1.0:
             flat.mul_(pre)
-        if self.world > 1:
+        if channel.world > 1:
             if s.reduce_scatter and not s.use_multi_rank_bucket_allreduce:
                 bucket.works = self._reduce_to_owners(bucket)
-            elif s.reduce_scatter and self._p2p:
+            elif s.reduce_scatter and channel.p2p:  # gloo: faster point to point than by all-reduce
                 bucket.works = self._exchange(bucket)
             else:
-                bucket.works = [self.comm.all_reduce(flat, group=self.group, async_op=True)]
+                bucket.works = [self.comm.all_reduce(flat, group=channel.group, async_op=True)]
         self._inflight.append(bucket)
         if not s.overlap_comm:
             self._complete(self._inflight.popleft())
@@ -254,30 +296,28 @@ class PartitionedReducer:
             bucket.runs = runs
         return bucket.runs
 
-    def _peer(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
     def _reduce_to_owners(self, bucket: _Bucket) -> list[Any]:
-        works = []
+        works, channel = [], bucket.channel
         for owner, start, numel in self._owner_runs(bucket):
-            works.append(self.comm.reduce(bucket.flat[start:start + numel], dst=self._peer(owner), group=self.group,
-                                          async_op=True))
+            works.append(self.comm.reduce(bucket.flat[start:start + numel], dst=channel.peer(owner),
+                                          group=channel.group, async_op=True))
         return works
 
     def _exchange(self, bucket: _Bucket) -> list[Any]:
         """Point-to-point reduce-scatter: each rank sends the other owners their pieces and receives every
         rank's copy of its own, summed in ``_complete`` (gloo: 0.69x the time of an all-reduce of the bucket)."""
-        me = self.groups[0].rank
+        channel = bucket.channel
+        me = channel.rank
         ops, bucket.received = [], []
         for owner, start, numel in self._owner_runs(bucket):
             piece = bucket.flat[start:start + numel]
             if owner != me:
-                ops.append(dist.P2POp(dist.isend, piece, self._peer(owner), self.group))
+                ops.append(dist.P2POp(dist.isend, piece, channel.peer(owner), channel.group))
                 continue
-            for r in range(self.world):
+            for r in range(channel.world):
                 if r != me:
                     buf = torch.empty(numel, dtype=piece.dtype, device=piece.device)
-                    ops.append(dist.P2POp(dist.irecv, buf, self._peer(r), self.group))
+                    ops.append(dist.P2POp(dist.irecv, buf, channel.peer(r), channel.group))
                     bucket.received.append((piece, buf))
         return self.comm.batch_isend_irecv(ops) if ops else []
 
@@ -290,7 +330,7 @@ class PartitionedReducer:
             piece.add_(buf)
         bucket.received = []
         s = self.settings
-        post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / self.world
+        post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / bucket.channel.divisor
         if post != 1.0:
             bucket.flat.mul_(post)
         self._write_back(bucket)

@@ -5,6 +5,9 @@ optimizer's state dict over those partitions (``base_optimizer_state``: one flat
 key ``g`` is group ``g``), the loss scaler, and ``zero_layout`` (per group: parameter names and sizes in flat
 order and the alignment). With the layouts, every saved rank's partitions can be concatenated into each
 group's full flat vector and cut again for any new world size, matching parameters by name.
+A group partitioned over its own process group (MoE experts, over the expert-data-parallel group) records that
+group's size in ``partition_count`` and its padding on that group's last rank, as DeepSpeed does; such a group is
+restored on the same layout only (the saved ranks hold different experts under the same names).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ BASE_STATE = "base_optimizer_state"
 def partitioned_state_dict(opt: Any) -> dict[str, Any]:
     """This rank's share of the optimizer state (``opt``: a ``DeepSpeedZeroOptimizer``)."""
     scaler = opt.loss_scaler
-    last = opt.rank == opt.world - 1
     state = {} if scaler is None else {"loss_scaler": scaler.state_dict()}  # DeepSpeed reads a present key
     return {
         **state,
@@ -33,8 +35,8 @@ def partitioned_state_dict(opt: Any) -> dict[str, Any]:
         BASE_STATE: opt.optimizer.state_dict(),
         FP32_GROUPS: [fg.master.detach() for fg in opt.groups],
         "zero_stage": int(opt.settings.stage),
-        "group_paddings": [fg.layout.padding if last else 0 for fg in opt.groups],
-        "partition_count": [opt.world] * len(opt.groups),
+        "group_paddings": [fg.layout.padding if fg.rank == fg.layout.world_size - 1 else 0 for fg in opt.groups],
+        "partition_count": [fg.layout.world_size for fg in opt.groups],
         "zero_layout": [{"names": list(fg.names), "numels": list(fg.layout.numels),
                          "alignment": fg.layout.alignment} for fg in opt.groups],
     }
@@ -142,7 +144,21 @@ def _remap(fg: Any, full: torch.Tensor, old: FlatLayout, old_names: list[str], g
     return out
 
 
+def _check_repartitionable(opt: Any, states: Sequence[dict[str, Any]]) -> None:
+    """Only groups partitioned over the whole data-parallel group, then and now, can be cut from every rank's
+    partitions (a MoE expert group's ranks hold different experts under the same parameter names)."""
+    counts = states[0].get("partition_count")
+    saved = counts if isinstance(counts, list) else [len(states)] * len(opt.groups)
+    for g, fg in enumerate(opt.groups):
+        if saved[g] != len(states) or fg.layout.world_size != getattr(opt, "world", fg.layout.world_size):
+            raise ValueError(f"ZeRO optimizer state, group {g}: partitioned over {saved[g]} of the {len(states)} "
+                             f"saved ranks (now {fg.layout.world_size} of {opt.world}), e.g. a MoE expert group; such "
+                             "a group is restored only onto the layout it was saved with (same data-parallel and "
+                             "expert-parallel sizes, same parameter groups)")
+
+
 def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    _check_repartitionable(opt, states)
     masters = []
     new_state: dict[int, dict[str, Any]] = {}
     for g, fg in enumerate(opt.groups):

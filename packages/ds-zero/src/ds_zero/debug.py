@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_zero._flat_group import FlatGroup
 from ds_zero._registry import owner_of, unpartitioned_master
 from ds_zero.partition import Fragment
 from ds_zero.utils import is_zero_param
@@ -72,6 +73,14 @@ def _locate(opt: Any, param: torch.nn.Parameter) -> tuple[Any, int]:
 def _own_fragments(group: Any, index: int) -> list[Fragment]:
     """The pieces of parameter ``index`` (flat order) that this rank's partition holds (none, one or more)."""
     return [frag for rank, frag in group.layout.owners(index) if rank == group.rank]
+
+
+def _ranks_of(opt: Any, group: Any) -> tuple[Any, int]:
+    """``(process group, world size)`` a group's partitions span: a stage 1/2 group's own (a MoE expert group's
+    expert-data-parallel group), else the optimizer's data-parallel group."""
+    if isinstance(group, FlatGroup):
+        return group.process_group, group.layout.world_size
+    return opt.dp_group, opt.world
 
 
 def _result_device(opt: Any, param: torch.nn.Parameter) -> torch.device:
@@ -133,17 +142,26 @@ def _state_partition(opt: Any, group: Any, key: Any, call: str) -> torch.Tensor:
 # ---- assembling and scattering ---------------------------------------------------------------------------------
 def _assemble(opt: Any, params: Sequence[torch.nn.Parameter], partition_of: Callable[[Any], torch.Tensor],
               dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
-    """Full values of ``params`` from every rank's partitions (``partition_of(group)``), one all-reduce in all.
+    """Full values of ``params`` from every rank's partitions (``partition_of(group)``), one all-reduce per
+    process group the parameters' groups are partitioned over (the data-parallel one; a MoE expert group's own).
 
     The sum runs in at least fp32 so that every backend reduces it; widening and narrowing back is exact."""
     device = _result_device(opt, params[0])
     work = torch.float32
     for dtype in dtypes:
         work = torch.promote_types(work, dtype)
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += _numel(p)
+    by_channel: dict[tuple[int, int], list[int]] = {}  # parameters laid out contiguously per process group
+    for k, p in enumerate(params):
+        group, _ = _locate(opt, p)
+        process_group, world = _ranks_of(opt, group)
+        by_channel.setdefault((id(process_group), world), []).append(k)
+    offsets, spans, total = [0] * len(params), [], 0
+    for members in by_channel.values():
+        start = total
+        for k in members:
+            offsets[k] = total
+            total += _numel(params[k])
+        spans.append((*_ranks_of(opt, _locate(opt, params[members[0]])[0]), start, total - start))
     buf = torch.zeros(total, dtype=work, device=device)
     with torch.no_grad():
         for p, offset in zip(params, offsets, strict=True):
@@ -152,8 +170,9 @@ def _assemble(opt: Any, params: Sequence[torch.nn.Parameter], partition_of: Call
             for frag in _own_fragments(group, index):
                 buf.narrow(0, offset + frag.tensor_offset, frag.numel).copy_(
                     part.narrow(0, frag.partition_offset, frag.numel))
-        if opt.world > 1:
-            opt.comm.all_reduce(buf, group=opt.dp_group)
+        for process_group, world, start, numel in spans:
+            if world > 1:
+                opt.comm.all_reduce(buf.narrow(0, start, numel), group=process_group)
     return [buf.narrow(0, offset, _numel(p)).view(_shape(p)).to(dtype)
             for p, offset, dtype in zip(params, offsets, dtypes, strict=True)]
 

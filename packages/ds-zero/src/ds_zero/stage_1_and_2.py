@@ -12,6 +12,13 @@ overflow on every rank) -> unscale and clip -> update -> write the new values in
 every rank's partition. With ``offload_optimizer.device = cpu`` the masters and optimizer states
 live in CPU memory and ds-ops' ``DeepSpeedCPUAdam`` writes the updated low-precision weights in the same pass.
 
+MoE (``group_comms``): an expert parameter group is partitioned, reduced and gathered over its own process group
+(the expert-data-parallel group: each rank owns 1/edp of that group's flat buffer), its sums divided by the whole
+data-parallel size, as DeepSpeed's ``real_dp_process_group`` / ``average_tensor`` do. The norm needs no extra
+collective: the expert-data-parallel groups split the data-parallel ranks into disjoint sets of experts, each
+partitioned once, so the data-parallel sum of squares counts every expert exactly once (DeepSpeed sums over the
+data-parallel group too; its ``_average_expert_grad_norms`` then averages equal values).
+
 The memory estimators live in ``ds_zero.estimate`` and are re-exported here, at DeepSpeed's module path.
 """
 
@@ -19,13 +26,14 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ds_zero._flat_group import FlatGroup, param_homes
+from ds_zero._flat_group import FlatGroup, GroupComm, param_homes
 from ds_zero._gather import gather_method, gather_partitions
 from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
 from ds_zero._loss_scaled import LossScaledWrapper
@@ -42,6 +50,7 @@ from ds_zero.estimate import zero2_model_to_params as model_to_params
 
 __all__ = [
     "DeepSpeedZeroOptimizer",
+    "GroupComm",
     "ReduceSettings",
     "ZeroSettings",
     "estimate_zero2_model_states_mem_needs",
@@ -79,12 +88,15 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
     ``names``: parameter -> name (for checkpoints); ``params``: the trainable parameters in model order
     (the reducer buckets them in reverse); ``loss_scaler``: an object with ``loss_scale``,
     ``update_scale(overflow)`` and ``state_dict``/``load_state_dict``, or None; ``norm_scope``: the
-    model-parallel ranks the gradient norm and overflow verdict span (``ds_zero._grad_norm.norm_scope(mpu)``).
+    model-parallel ranks the gradient norm and overflow verdict span (``ds_zero._grad_norm.norm_scope(mpu)``);
+    ``group_comms``: index of a parameter group of ``init_optimizer`` -> the :class:`GroupComm` it is
+    partitioned over instead of ``dp_group`` (MoE expert groups: their expert-data-parallel group).
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  names: dict[torch.nn.Parameter, str], settings: ZeroSettings, loss_scaler: Any = None,
-                 dp_group: Any = None, comm: Collectives = TORCH, norm_scope: NormScope = LOCAL) -> None:
+                 dp_group: Any = None, comm: Collectives = TORCH, norm_scope: NormScope = LOCAL,
+                 group_comms: Mapping[int, GroupComm] | None = None) -> None:
         self.optimizer = init_optimizer
         self.comm = comm
         self.settings = settings
@@ -97,20 +109,43 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self.global_grad_norm: float | None = None
         self.overflow = False
         self._cpu_adam = settings.offload_device == "cpu" and is_ds_cpu_optimizer(init_optimizer)
-        self.groups = self._build_groups(names)
+        self.groups = self._build_groups(names, self._check_group_comms(group_comms or {}))
         self.home = param_homes(self.groups)
         self._norm_runs = [self._partition_norm_runs(fg) for fg in self.groups]
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.reducer = PartitionedReducer(params, self.groups, self.home, self.get_grad, self.grad_dtype,
                                           settings.reduce, dp_group, self.world, settings.stage, comm)
-        self._gather = gather_method(dp_group, settings.allgather_partitions) if self.world > 1 else "none"
+        self._gather = [gather_method(fg.process_group, settings.allgather_partitions) if fg.layout.world_size > 1
+                        else "none" for fg in self.groups]
         register(self, list(self.home))
 
-    def _build_groups(self, names: dict[torch.nn.Parameter, str]) -> list[FlatGroup]:
+    def _check_group_comms(self, group_comms: Mapping[int, GroupComm]) -> Mapping[int, GroupComm]:
+        count = len(self.optimizer.param_groups)
+        for index, gc in group_comms.items():
+            if not 0 <= index < count:
+                raise ValueError(f"ZeRO: group_comms names parameter group {index}; the optimizer has {count}")
+            distributed = dist.is_available() and dist.is_initialized()
+            actual = dist.get_world_size(gc.group) if distributed else 1
+            if gc.world_size != actual:
+                raise ValueError(f"ZeRO: group_comms[{index}].world_size is {gc.world_size}, its process group has "
+                                 f"{actual} ranks")
+        return group_comms
+
+    def _group_rank(self, gc: GroupComm | None) -> tuple[Any, int, int, float]:
+        """``(process group, world size, this rank, gradient divisor)`` of a parameter group."""
+        if gc is None:
+            return self.dp_group, self.world, self.rank, float(self.world)
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank(gc.group) if distributed else 0
+        return gc.group, gc.world_size, rank, float(gc.grad_divisor or self.world)
+
+    def _build_groups(self, names: dict[torch.nn.Parameter, str],
+                      group_comms: Mapping[int, GroupComm]) -> list[FlatGroup]:
         s = self.settings
         groups = []
         seen: set[torch.nn.Parameter] = set()
-        for group in self.optimizer.param_groups:
+        for index, group in enumerate(self.optimizer.param_groups):
+            process_group, world, rank, divisor = self._group_rank(group_comms.get(index))
             params = [p for p in group["params"] if p.requires_grad and p not in seen]
             seen.update(params)
             missing = [tuple(p.shape) for p in params if p not in names]
@@ -122,9 +157,10 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
             grad_dtype = torch.float32 if s.fp32_grad_accum or s.stage == 1 else low
             device = torch.device("cpu") if s.offload_device == "cpu" else (params[0].device if params else
                                                                               torch.device("cpu"))
-            fg = FlatGroup(params, [names[p] for p in params], self.world, self.rank, grad_dtype, device,
+            fg = FlatGroup(params, [names[p] for p in params], world, rank, grad_dtype, device,
                            round_robin=s.round_robin_gradients, pin_memory=s.pin_memory,
                            persistent_grads=s.stage >= 2)
+            fg.process_group, fg.grad_divisor = process_group, divisor
             group["params"] = [fg.master]
             groups.append(fg)
         self.optimizer.state.clear()  # state keyed by the model's tensors would no longer match
@@ -216,8 +252,8 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
 
     def all_gather_params(self) -> None:
         """Give every rank every partition of the updated weights (collective)."""
-        for fg in self.groups:
-            gather_partitions(self.comm, fg.lp_flat, fg.layout, self.rank, self.dp_group, self._gather,
+        for fg, method in zip(self.groups, self._gather, strict=True):
+            gather_partitions(self.comm, fg.lp_flat, fg.layout, fg.rank, fg.process_group, method,
                               self.settings.allgather_bucket_numel)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -104,6 +104,35 @@ def _check_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> N
         raise ConfigError(ConfigProblem("zero_force_ds_cpu_optimizer", why, True))
 
 
+def moe_group_comms(optimizer: torch.optim.Optimizer, dp_world_size: int) -> dict[int, Any]:
+    """Parameter-group index -> ds-zero ``GroupComm`` for the MoE expert groups (``moe=True``, ``name`` = the
+    expert group name) of ``optimizer``: partitioned over their expert-data-parallel group, gradients divided by
+    the whole data-parallel size. Expert parameters outside such a group are an error, as in DeepSpeed."""
+    flagged = [i for i, group in enumerate(optimizer.param_groups) if group.get("moe")]
+    stray = [i for i, group in enumerate(optimizer.param_groups) if not group.get("moe")
+             and any(getattr(p, "allreduce", True) is False and p.requires_grad for p in group["params"])]
+    if stray:
+        raise ValueError(f"ZeRO stage 1/2: optimizer parameter groups {stray} hold MoE expert parameters but are not "
+                         "marked 'moe': build the groups with deepspeed.moe.utils."
+                         "split_params_into_different_moe_groups_for_optimizer")
+    if not flagged:
+        return {}
+    from ds_moe import groups
+    from ds_zero.stage_1_and_2 import GroupComm
+
+    comms = {}
+    for i in flagged:
+        group = optimizer.param_groups[i]
+        name = group.get("name")
+        plain = [tuple(p.shape) for p in group["params"] if getattr(p, "allreduce", True) is not False]
+        if plain:
+            raise ValueError(f"ZeRO stage 1/2: parameter group {i} is marked 'moe' but holds parameters of shapes "
+                             f"{plain[:5]} that are not expert parameters")
+        comms[i] = GroupComm(groups._get_expert_data_parallel_group(name),
+                             groups._get_expert_data_parallel_world_size(name), grad_divisor=float(dp_world_size))
+    return comms
+
+
 def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """Stage 1 or 2 (``inputs.config.zero_stage``): the partitioned optimizer wrapper and its reducer."""
     from deepspeed.__about__ import __version__
@@ -121,7 +150,8 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
     # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
     wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
                                      loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm,
-                                     norm_scope=norm_scope(inputs.mpu))
+                                     norm_scope=norm_scope(inputs.mpu),
+                                     group_comms=moe_group_comms(inputs.basic_optimizer, inputs.dp_world_size))
     wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                       bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer
