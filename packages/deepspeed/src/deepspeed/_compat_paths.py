@@ -57,6 +57,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.moe.sharded_moe": "ds_moe.sharded_moe",
     "deepspeed.moe.experts": "ds_moe.experts",
     "deepspeed.moe.utils": "ds_moe.utils",
+    "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep",  # AutoEP (the rest of module_inject is not built)
 }
 
 

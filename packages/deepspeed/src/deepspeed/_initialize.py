@@ -53,6 +53,22 @@ def _pipeline_module(model: Any) -> Any:
     return model if module is not None and isinstance(model, module.PipelineModule) else None
 
 
+def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any]:
+    """AutoEP: the model's Hugging Face MoE blocks become expert-parallel layers; a parameter list or a client
+    optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them)."""
+    import torch
+
+    from ds_moe.autoep import apply_autoep, remap_parameters
+
+    apply_autoep(model, section)
+    if isinstance(model_parameters, (list, tuple)):
+        model_parameters = remap_parameters(model_parameters, model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = remap_parameters(group["params"], model)
+    return model_parameters, optimizer
+
+
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
@@ -87,6 +103,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if pipe is not None:
         ds_config.check_pipeline(pipe.num_stages)
     comm.configure(ds_config)
+    if ds_config.expert_parallel.enabled:
+        model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer)
     engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,
                           lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
