@@ -48,17 +48,18 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(6, DIM, generator=g), torch.randn(6, generator=g)) for _ in range(n)]
 
 
-def _config(stage: int = 0) -> dict:
+def _config(stage: int = 0, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "gradient_clipping": 0.3,
-            "zero_optimization": {"stage": stage}}
+            "zero_optimization": {"stage": stage}, **extra}
 
 
 def _step(engine, batches) -> float:
     total = 0.0
+    dtype = next(engine.module.parameters()).dtype
     for x, y in batches:
-        pred, l_aux = engine(x)
-        loss = nn.functional.mse_loss(pred, y) + 0.01 * l_aux
+        pred, l_aux = engine(x.to(dtype))
+        loss = nn.functional.mse_loss(pred.float(), y) + 0.01 * l_aux.float()
         engine.backward(loss)
         engine.step()
         total += float(loss) / GAS
@@ -72,10 +73,10 @@ def _experts_by_global_id(engine) -> dict[int, torch.Tensor]:
             for i, e in enumerate(net.moe.deepspeed_moe.experts.deepspeed_experts)}
 
 
-def _train(ep_size: int, stage: int = 0) -> dict:
+def _train(ep_size: int, stage: int = 0, **extra) -> dict:
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=Net(ep_size), config=_config(stage))
+    engine, *_ = deepspeed.initialize(model=Net(ep_size), config=_config(stage, **extra))
     data = _batches(dist.get_rank(), STEPS * GAS)
     losses = [_step(engine, data[s * GAS:(s + 1) * GAS]) for s in range(STEPS)]
     return {"losses": losses, "experts": _experts_by_global_id(engine),
@@ -92,6 +93,17 @@ def test_expert_parallel_equals_every_rank_holding_every_expert(world):
         assert s["norm"] == pytest.approx(d["norm"], rel=1e-5)
         for g, weights in s["experts"].items():
             torch.testing.assert_close(weights, d["experts"][g], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_expert_parallel_in_half_precision(precision):
+    extra = {precision: {"enabled": True}} if precision == "bf16" else {precision: {"enabled": True,
+                                                                                 "initial_scale_power": 8}}
+    dense = run_distributed(_train, world_size=2, args=(1,), kwargs=extra, timeout=120)
+    sharded = run_distributed(_train, world_size=2, args=(2,), kwargs=extra, timeout=120)
+    for d, s in zip(dense, sharded, strict=True):
+        assert all(torch.isfinite(torch.tensor(s["losses"])))
+        torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(d["losses"]), rtol=2e-2, atol=1e-3)
 
 
 def _save_and_resume(ep_save: int, ep_load: int, save_dir: str) -> dict:
