@@ -218,7 +218,7 @@ import importlib, json
 import deepspeed
 out = {}
 for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.engine", "deepspeed.inference.engine",
-             "deepspeed.checkpointing"):
+             "deepspeed.ops.transformer"):
     try:
         importlib.import_module(path)
         out[path] = "imported"
@@ -242,9 +242,9 @@ def test_paths_of_features_not_built_yet_say_so(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
-    kind, name, message = out["deepspeed.checkpointing"]
-    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.checkpointing")
-    assert "activation checkpointing" in message and "does not provide yet" in message
+    kind, name, message = out["deepspeed.ops.transformer"]
+    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.ops.transformer")
+    assert "transformer kernel layer" in message and "does not provide yet" in message
     assert out["deepspeed.moe.layer"] == "imported"
     assert out["deepspeed.pipe"] == "imported" and out["deepspeed.runtime.pipe.engine"] == "imported"
     assert "inference" in out["deepspeed.inference.engine"][2]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ds_config import BatchSizes, ConfigError, ElasticityConfig, load_config, resolve_batch_sizes
+from ds_config import BatchSizes, ConfigError, load_config, resolve_batch_sizes
 from ds_config.batch import implied_world_sizes
 
 
@@ -166,61 +166,3 @@ def test_every_auto_batch_key_and_bad_value_is_named_at_once():
     assert err.value.paths == ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
     assert "Hugging Face" in str(err.value) and "write a number" in str(err.value)
     assert "(got 0)" in str(err.value.problems[2])
-
-
-# ---- elastic training: the batch keys come from the elasticity section ----
-def _divisor_counts(limit: int) -> list[int]:
-    counts = [0] * (limit + 1)
-    for d in range(1, limit + 1):
-        for multiple in range(d, limit + 1, d):
-            counts[multiple] += 1
-    return counts
-
-
-def test_highly_composite_table():
-    from ds_config.elastic import HIGHLY_COMPOSITE
-
-    limit = 30000
-    counts, record, expected = _divisor_counts(limit), 0, []
-    for n in range(1, limit + 1):
-        if counts[n] > record:
-            record, expected = counts[n], [*expected, n]
-    assert [h for h in HIGHLY_COMPOSITE if h <= limit] == expected
-
-
-def test_elastic_plan_matches_reference_case():
-    # DeepSpeed's own elasticity test case: 9792 samples, valid on 23 GPU counts between 32 and 1500.
-    from ds_config.elastic import elastic_plan
-
-    plan = elastic_plan(ElasticityConfig(enabled=True, max_train_batch_size=10000, micro_batch_sizes=[8, 12, 16, 17],
-                                         min_gpus=32, max_gpus=1500, version=0.1))
-    assert plan.train_batch_size == 9792 and len(plan.valid_world_sizes) == 23
-
-
-@given(st.lists(st.integers(1, 24), min_size=1, max_size=4), st.integers(24, 5000), st.booleans(),
-       st.sampled_from([0.1, 0.2]))
-def test_elastic_plan_is_consistent(micro, max_batch, larger, version):
-    from ds_config.elastic import elastic_batch_sizes, elastic_plan
-
-    cfg = ElasticityConfig(enabled=True, max_train_batch_size=max_batch, micro_batch_sizes=micro,
-                           prefer_larger_batch=larger, version=version, num_gpus_per_node=4, model_parallel_size=2)
-    plan = elastic_plan(cfg)
-    assert plan.valid_world_sizes
-    for world in plan.valid_world_sizes[:5]:
-        sizes = elastic_batch_sizes(cfg, world)
-        assert sizes.train_batch_size == plan.train_batch_size
-        assert sizes.train_micro_batch_size_per_gpu * sizes.gradient_accumulation_steps * world == \
-            plan.train_batch_size
-        assert sizes.train_micro_batch_size_per_gpu in micro
-
-
-def test_elastic_config_resolves_through_the_config():
-    cfg = load_config({"elasticity": {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6]}},
-                      world_size=8)
-    assert cfg.batch == BatchSizes(1680, 6, 35, 8) and cfg.train_batch_size == 1680
-    with pytest.raises(ConfigError, match="world size 9"):
-        load_config({"elasticity": {"enabled": True}}, world_size=9)
-    with pytest.raises(ConfigError) as err:
-        load_config({"elasticity": {"enabled": True, "version": 0.2, "num_gpus_per_node": 6,
-                                    "model_parallel_size": 4}}, world_size=2)
-    assert err.value.paths == ["elasticity.model_parallel_size"]

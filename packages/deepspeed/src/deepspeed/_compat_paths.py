@@ -58,6 +58,10 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.moe.experts": "ds_moe.experts",
     "deepspeed.moe.utils": "ds_moe.utils",
     "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep",  # AutoEP (the rest of module_inject is not built)
+    # elastic training batch arithmetic (ds-config, issue 17)
+    "deepspeed.elasticity.elasticity": "ds_config.elastic",
+    "deepspeed.elasticity.config": "ds_config.elasticity",
+    "deepspeed.elasticity.constants": "ds_config.elastic_constants",
 }
 
 
@@ -67,10 +71,10 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.module_inject": "inference kernel injection and AutoTP (deepspeed.module_inject)",
     "deepspeed.ops.transformer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
-    "deepspeed.checkpointing": "the activation checkpointing API (deepspeed.checkpointing)",
-    "deepspeed.runtime.activation_checkpointing": "the activation checkpointing API (deepspeed.checkpointing)",
-    "deepspeed.runtime.fp16.onebit": "the communication-compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB)",
-    "deepspeed.elasticity": "elastic training (deepspeed.elasticity)",
+    "deepspeed.runtime.fp16.onebit.zoadam":
+        "the communication-compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB)",
+    "deepspeed.runtime.fp16.onebit.lamb":
+        "the communication-compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB)",
     "deepspeed.sequence": "sequence parallelism (DeepSpeed-Ulysses)",
     "deepspeed.compile": "DeepCompile and AutoSP (deepspeed.compile)",
     "deepspeed.autotuning": "autotuning (deepspeed --autotuning)",

@@ -25,8 +25,13 @@ from ds_config.compile import CompileConfig
 from ds_config.compression import CompressionConfig
 from ds_config.config import DeepSpeedConfig
 from ds_config.data_efficiency import CurriculumLearningConfig, DataEfficiencyConfig
-from ds_config.elastic import ElasticPlan, elastic_batch_sizes, elastic_plan
-from ds_config.elasticity import ElasticityConfig
+from ds_config.elastic import ElasticPlan, compute_elastic_config, elastic_batch_sizes, elastic_plan
+from ds_config.elasticity import (
+    ElasticityConfig,
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+)
 from ds_config.flops_profiler import FlopsProfilerConfig
 from ds_config.inference import (
     ActivationQuantConfig,
@@ -112,6 +117,10 @@ __all__ = [
     "DtypeEnum",
     "EigenvalueConfig",
     "elastic_batch_sizes",
+    "compute_elastic_config",
+    "ElasticityError",
+    "ElasticityConfigError",
+    "ElasticityIncompatibleWorldSize",
     "elastic_plan",
     "ElasticityConfig",
     "ElasticPlan",

@@ -130,6 +130,37 @@ class ZeroCheckpointShards:
             states[0]["zero_layout"] = self._layout_from_param_shapes(ctx, load, saved_world)
         self.optimizer.load_state_dict(states)
 
+    def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """Restore from a Universal Checkpoint folder (``ctx.tag_dir``, DeepSpeed's ``ds_to_universal`` layout): this
+        rank reads only the ``zero/<name>/*.pt`` files of the parameters its partitions hold, and only its slices
+        are kept. The fp32 values always load (as DeepSpeed's universal load); Adam's states when asked."""
+        opt = self.optimizer
+        check_universal_folders(ctx.tag_dir, [name for fg in opt.groups for name in fg.names])
+        with_state = ctx.load_optimizer_states and not ctx.load_module_only
+        common = read_universal_common(ctx, load) if with_state else {}
+        masters, new_state = [], {}
+        for g, fg in enumerate(opt.groups):
+            lo, hi = fg.layout.partition_range(fg.rank)
+            keys = universal_keys(ctx.tag_dir, fg.names, with_state)
+            flats = {key: torch.zeros(fg.layout.partition_numel, dtype=torch.float32) for key in keys}
+            for name, offset, numel in zip(fg.names, fg.layout.offsets, fg.layout.numels, strict=True):
+                start, end = max(lo, offset), min(hi, offset + numel)
+                if start >= end:
+                    continue  # another rank's parameter: its files are not read
+                for key, flat in flats.items():
+                    value = read_universal(ctx, load, name, key, numel)
+                    flat[start - lo:end - lo] = value[start - offset:end - offset]
+            masters.append(flats.pop("fp32"))
+            if flats:
+                new_state[g] = {**universal_step(ctx, load, fg.names, common, g), **flats}
+        if with_state:
+            restore_universal_common(opt, new_state, common)
+        with torch.no_grad():
+            for fg, master in zip(opt.groups, masters, strict=True):
+                fg.master.data.copy_(master)
+                fg.copy_master_to_lp()
+        opt.all_gather_params()
+
     def _saved_prefix(self, ctx: Any, mp_rank: int) -> str:
         """This engine's file prefix, else the other one (a bf16 checkpoint loaded without bf16, or vice versa)."""
         for prefix in (self.prefix, "bf16_" if not self.prefix else ""):
@@ -166,3 +197,86 @@ def _optimizer_state(obj: Any, name: str) -> dict[str, Any]:
         found = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"{name} is not a ZeRO optimizer-states file (no '{OPTIMIZER_STATE_DICT}'; found {found})")
     return obj[OPTIMIZER_STATE_DICT]
+
+
+# ---- Universal Checkpoint reading (shared with ZeRO-3) ----------------------------------------------------------
+UNIVERSAL_ZERO = "zero"
+UNIVERSAL_OPTIMIZER_STATE = "optimizer_state.pt"
+
+
+def check_universal_folders(tag_dir: str, names: list[str]) -> None:
+    """Every trainable parameter needs ``zero/<name>/fp32.pt``; checked on every rank before anything loads."""
+    missing = [n for n in names if not os.path.isfile(os.path.join(tag_dir, UNIVERSAL_ZERO, n, "fp32.pt"))]
+    if missing:
+        raise FileNotFoundError(f"universal checkpoint {tag_dir}: {len(missing)} of the model's {len(names)} trained "
+                                f"parameters have no folder {UNIVERSAL_ZERO}/<name>/ with fp32.pt (first: "
+                                f"{[os.path.join(UNIVERSAL_ZERO, n) for n in missing[:5]]}); convert the checkpoint "
+                                "of this model again with ds_to_universal")
+
+
+def universal_keys(tag_dir: str, names: list[str], with_state: bool) -> list[str]:
+    """fp32, plus the Adam states the converter wrote (judged by the group's first parameter)."""
+    keys = ["fp32"]
+    if with_state and names:
+        folder = os.path.join(tag_dir, UNIVERSAL_ZERO, names[0])
+        keys += [k for k in ("exp_avg", "exp_avg_sq") if os.path.isfile(os.path.join(folder, f"{k}.pt"))]
+    return keys
+
+
+def _read_plain(ctx: Any, load: Callable[[str], Any], name: str) -> Any:
+    try:
+        return load(name)
+    except Exception as exc:  # DeepSpeed's own files may pickle its classes: read as inert placeholders
+        if type(exc).__name__ != "UnsafeCheckpointError":
+            raise
+        from ds_zero.zero_to_fp32 import _load as load_with_placeholders
+
+        return load_with_placeholders(os.path.join(ctx.tag_dir, name))
+
+
+def read_universal(ctx: Any, load: Callable[[str], Any], name: str, key: str, numel: int) -> torch.Tensor:
+    """``zero/<name>/<key>.pt`` flattened (``{"param": t}`` at stage 1/2, a bare tensor at stage 3)."""
+    rel = os.path.join(UNIVERSAL_ZERO, name, f"{key}.pt")
+    obj = _read_plain(ctx, load, rel)
+    value = obj.get("param") if isinstance(obj, dict) else obj
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{os.path.join(ctx.tag_dir, rel)} holds no tensor (found {type(obj).__name__})")
+    value = value.detach().reshape(-1)
+    if value.numel() != numel:
+        raise ValueError(f"{os.path.join(ctx.tag_dir, rel)}: {value.numel()} values, the model's parameter {name!r} "
+                         f"has {numel}")
+    return value.float()
+
+
+def read_universal_common(ctx: Any, load: Callable[[str], Any]) -> dict[str, Any]:
+    rel = os.path.join(UNIVERSAL_ZERO, UNIVERSAL_OPTIMIZER_STATE)
+    if not os.path.isfile(os.path.join(ctx.tag_dir, rel)):
+        return {}
+    return _plain_state(_read_plain(ctx, load, rel))
+
+
+def universal_step(ctx: Any, load: Callable[[str], Any], names: list[str], common: dict[str, Any],
+                   g: int) -> dict[str, Any]:
+    """``{"step": value}`` from the group's first ``step.pt``, else the saved param group's ``step``, else {}."""
+    rel = os.path.join(UNIVERSAL_ZERO, names[0], "step.pt") if names else ""
+    if rel and os.path.isfile(os.path.join(ctx.tag_dir, rel)):
+        return {"step": _read_plain(ctx, load, rel)}
+    groups = common.get("param_groups") or []
+    if g < len(groups) and "step" in groups[g]:
+        return {"step": groups[g]["step"]}
+    return {}
+
+
+def restore_universal_common(opt: Any, new_state: dict[int, dict[str, Any]], common: dict[str, Any]) -> None:
+    """Loss scaler, the wrapped optimizer's per-group states and the saved ``param_groups`` (lr, betas, ...)."""
+    from ds_zero._state import _load_in_place
+
+    if opt.loss_scaler is not None and common.get("loss_scaler"):
+        opt.loss_scaler.load_state_dict({**opt.loss_scaler.state_dict(), **common["loss_scaler"]})
+    current = opt.optimizer.state_dict()["param_groups"]
+    saved = common.get("param_groups") or current
+    if len(saved) != len(current):
+        raise ValueError(f"universal checkpoint: the optimizer had {len(saved)} parameter groups, this one has "
+                         f"{len(current)}")
+    groups = [{**old, "params": now["params"]} for old, now in zip(saved, current, strict=True)]
+    _load_in_place(opt.optimizer, {"state": new_state, "param_groups": groups})

@@ -16,7 +16,7 @@ import torch
 from ds_config import ConfigError, ConfigProblem
 
 ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
-UNAVAILABLE = ONEBIT_OPTIMIZERS + ("muadam", "muadamw", "musgd", "muon")
+UNAVAILABLE = ("zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon")
 
 # what ZeRO accepts without ``zero_allow_untested_optimizer`` (class names, as DeepSpeed's list)
 ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "DeepSpeedCPUAdagrad",
@@ -56,9 +56,13 @@ def _deepspeed_optimizer(name: str, params: Any, kwargs: dict[str, Any], cpu_off
         return (ds_ops.DeepSpeedCPULion if cpu_offload else ds_ops.FusedLion)(params, **kwargs)
     if name == "adagrad":
         return (ds_ops.DeepSpeedCPUAdagrad if cpu_offload else torch.optim.Adagrad)(params, **kwargs)
-    raise ConfigError(ConfigProblem("optimizer.type", "is not available in this version of DeepSpeed (1-bit and "
-                                    "MuP/Muon optimizers come in a later release); accepted: Adam, AdamW, Lamb, "
-                                    "Lion, Adagrad or a torch.optim class name", name))
+    if name == "onebitadam":  # communicates itself: build_stage0 gives it no gradient reducer
+        from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
+
+        return OnebitAdam(params, **kwargs)
+    raise ConfigError(ConfigProblem("optimizer.type", "is not available in this version of DeepSpeed (0/1 Adam, "
+                                    "1-bit LAMB and MuP/Muon optimizers come in a later release); accepted: Adam, "
+                                    "AdamW, OneBitAdam, Lamb, Lion, Adagrad or a torch.optim class name", name))
 
 
 def optimizer_from_config(section: Any, params: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
@@ -115,7 +119,12 @@ def build_basic_optimizer(client: Any, section: Any, params: list, cpu_offload: 
 
 
 def check_zero_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool) -> None:
-    """ZeRO's rule: an optimizer outside the tested list needs ``zero_allow_untested_optimizer: true``."""
+    """ZeRO's rule: an optimizer outside the tested list needs ``zero_allow_untested_optimizer: true``.
+    1-bit optimizers average their own (compressed) momentum: ZeRO stage 0 only, as in DeepSpeed."""
+    if zero_stage > 0 and getattr(optimizer, "communicates_gradients", False):
+        raise ConfigError(ConfigProblem("zero_optimization.stage", f"{type(optimizer).__name__} (1-bit "
+                                        "compressed communication) is not compatible with ZeRO; set "
+                                        "zero_optimization.stage to 0", zero_stage))
     if zero_stage == 0 or allow_untested:
         return
     name = type(optimizer).__name__

@@ -158,6 +158,10 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
             raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", "fp32 training accumulates gradients in "
                                             "fp32; accepted: fp32", config.data_types.grad_accum_dtype))
         wrapper = FP32Optimizer(inputs.basic_optimizer, **common)
+    if getattr(inputs.basic_optimizer, "communicates_gradients", False):  # 1-bit optimizers average themselves
+        from deepspeed.runtime.fp16.onebit._engine import attach  # (DeepSpeed: enable_backward_allreduce=False)
+
+        return wrapper, attach(inputs.basic_optimizer, wrapper, inputs.dp_group)
     options = reduce_options(config, inputs.params, inputs.dp_group, inputs.dp_world_size)
     if any(getattr(p, "allreduce", True) is False for p in inputs.params):  # MoE experts: their own groups
         from deepspeed.runtime import _moe_setup

@@ -56,6 +56,46 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         finally:
             self.optimizer.restore_optimizer_state = True
 
+    def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """From a Universal Checkpoint folder: each parameter's ``zero/<name>/*.pt`` is read and only this rank's
+        slice of it kept (the weights always, Adam's states when asked)."""
+        from ds_zero.checkpoint import (
+            check_universal_folders,
+            read_universal,
+            read_universal_common,
+            restore_universal_common,
+            universal_keys,
+            universal_step,
+        )
+        from ds_zero.zero3.checkpoint import _zero_padding
+
+        opt = self.optimizer
+        check_universal_folders(ctx.tag_dir, [name for group in opt.groups for name in group.names])
+        with_state = ctx.load_optimizer_states and not ctx.load_module_only
+        common = read_universal_common(ctx, load) if with_state else {}
+        masters, new_state = [], {}
+        for g, group in enumerate(opt.groups):
+            flats = {key: torch.zeros(group.numel, dtype=torch.float32)
+                     for key in universal_keys(ctx.tag_dir, group.names, with_state)}
+            for name, p, offset in zip(group.names, group.params, group.offsets, strict=True):
+                part = p.ds_tensor.numel()
+                start = min(opt.rank * part, p.ds_numel)
+                end = min(start + part, p.ds_numel)
+                if start >= end:
+                    continue
+                for key, flat in flats.items():
+                    flat[offset:offset + end - start] = read_universal(ctx, load, name, key, p.ds_numel)[start:end]
+            masters.append(flats.pop("fp32"))
+            if flats:
+                new_state[g] = {**universal_step(ctx, load, group.names, common, g), **flats}
+        if with_state:
+            restore_universal_common(opt, new_state, common)
+        with torch.no_grad():
+            for group, master in zip(opt.groups, masters, strict=True):
+                group.master.data.copy_(master)
+                _zero_padding(group)
+                group.copy_master_to_lp()
+
     def _check_shapes(self, ctx: Any, load: Callable[[str], Any]) -> None:
         """Before anything is changed: every saved parameter shape must be the model's (names the first that is
         not), so a checkpoint of another model loads nothing."""

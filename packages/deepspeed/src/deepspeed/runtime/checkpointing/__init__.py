@@ -41,7 +41,8 @@ such as ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (:func:`zero_optim_state
 
 Behaviour:
 - Config ``checkpoint``: ``tag_validation`` Ignore/Warn/Fail (do all ranks pass the same tag?);
-  ``load_universal`` raises :class:`CheckpointError` (not supported); ``use_node_local_storage`` makes local
+  ``load_universal`` loads a ``ds_to_universal`` folder (``deepspeed.checkpoint.universal``) onto any data-parallel
+  world size and ZeRO stage, each rank reading only its slices; ``use_node_local_storage`` makes local
   rank 0 of every node write the model states and ``latest``; ``parallel_write.pipeline_stage`` spreads a
   stage's ``layer_XX-model_YY-model_states.pt`` files over its data-parallel ranks (:class:`PipelineLayerShards`,
   :func:`pipeline_layer_range`).

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from deepspeed.checkpoint import universal as uc
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
 from deepspeed.runtime.checkpointing._errors import CheckpointError, CorruptCheckpointError
 from deepspeed.runtime.checkpointing._layout import LATEST_FILE, model_states_name, read_latest, validate_tag
@@ -98,14 +99,9 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
     ``state``: an :class:`EngineState`, or an engine (its counters are updated in place).
     """
     state = as_engine_state(state)
-    if state.checkpoint_config.load_universal:
-        raise CheckpointError(
-            "checkpoint.load_universal=true: loading a Universal Checkpoint (the ds_to_universal.py format) is not "
-            "supported by this implementation; set checkpoint.load_universal to false and load a checkpoint saved "
-            "with the same parallel layout"
-        )
+    universal = state.checkpoint_config.load_universal  # a ds_to_universal folder, onto any layout
     load_dir = os.fspath(load_dir)
-    tag = _resolve_tag(load_dir, tag)
+    tag = uc.resolve_universal_tag(load_dir, tag) if universal else _resolve_tag(load_dir, tag)
     if tag is None:
         return None, None
     meeting = open_meeting(_OP, state.sync)
@@ -114,7 +110,10 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
         tags = check_same_call(_OP, arrivals, meeting.rank)
         validate_tags(tags, state.checkpoint_config.tag_validation, meeting.rank)
     tag_dir = os.path.join(load_dir, tag)
-    path = _model_states_path(state, tag_dir)
+    if universal:
+        uc.check_universal_folder(tag_dir)
+    path = (uc.universal_model_states_path(state, tag_dir, per_rank_model_states(state)) if universal
+            else _model_states_path(state, tag_dir))
     if meeting is not None:  # a rank-specific tag can leave some ranks without their file: fail together
         found = meeting.exchange("found", str(os.path.isfile(path)), f"check {path}")
         missing = sorted(r for r, v in found.items() if v == "False")
@@ -161,7 +160,10 @@ def _restore(state: EngineState, path: str, tag_dir: str, load_module_strict: bo
                        load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
                        load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
     for shard in state.shards:
-        shard.load_files(ctx, load)
+        if ctx.config.load_universal:
+            uc.load_universal_shard(shard, ctx, load)
+        else:
+            shard.load_files(ctx, load)
     return checkpoint, consumed
 
 

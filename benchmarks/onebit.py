@@ -1,0 +1,96 @@
+"""1-bit Adam (``OneBitAdam``) against Adam through ``deepspeed.initialize``: wall time per step and bytes on the
+wire per step after ``freeze_step``, on 2 and 4 gloo ranks (the shared test harness, 1 torch thread per rank).
+
+Model: an MLP of ``--layers`` x ``Linear(--width, --width)`` + GELU, MSE loss, fp32, micro-batch ``--micro`` per
+rank. Adam: the config's ``Adam`` with ``torch_adam`` (gradients all-reduced by the engine, fp32).
+OneBitAdam: ``freeze_step`` = ``--warmup`` (full-precision warm-up), then 1-bit compressed momentum. Each variant
+runs ``--warmup`` untimed steps, then ``--steps`` timed steps (median of the slowest rank's step time), then 3
+steps with the comms logger on to count bytes (``deepspeed.comm``'s message sizes, summed over ops: what this
+rank hands to the collectives, per step). Ratio = OneBitAdam / Adam. Run: ``hatch run bench:onebit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def _rank_run(optimizer: dict, width: int, layers: int, micro: int, warmup: int, steps: int) -> dict:
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed import comm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    config = {"train_batch_size": micro * world, "train_micro_batch_size_per_gpu": micro, "optimizer": optimizer}
+    engine, _, _, _ = deepspeed.initialize(model=torch.nn.Sequential(*mods), config=config)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(micro, width, generator=gen), torch.randn(micro, width, generator=gen)
+
+    def step() -> float:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed) * 1e3)
+    comm.configure(enabled=True, prof_all=True)
+    comm._state.comms_logger.reset()
+    for _ in range(3):
+        step()
+    sent = sum(size * rec.count for _, size, rec in comm._state.comms_logger.rows()) / 3
+    comm.configure(enabled=False)
+    return {"ms": statistics.median(times), "bytes": sent, "loss": step(),
+            "params": sum(p.numel() for p in engine.module.parameters())}
+
+
+def main() -> None:
+    from _harness import run_distributed
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = ap.parse_args()
+    adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "adam_w_mode": False}}
+    onebit = {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": args.warmup}}
+    print(f"# onebit: {datetime.date.today()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
+          f"MLP {args.layers}x{args.width}, micro-batch {args.micro}/rank, median of {args.steps} steps")
+    print(f"{'ranks':>5} {'optimizer':>11} {'params':>9} {'ms/step':>9} {'bytes/step':>12} {'ms ratio':>9} "
+          f"{'bytes ratio':>12}")
+    for world in args.worlds:
+        base = None
+        for name, opt in (("Adam", adam), ("OneBitAdam", onebit)):
+            r = run_distributed(_rank_run, world_size=world, timeout=600,
+                                args=(opt, args.width, args.layers, args.micro, args.warmup, args.steps))[0]
+            base = base or r
+            print(f"{world:>5} {name:>11} {r['params']:>9} {r['ms']:>9.2f} {r['bytes']:>12.0f} "
+                  f"{r['ms'] / base['ms']:>9.3f} {r['bytes'] / base['bytes']:>12.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Loading a Universal Checkpoint (``checkpoint.load_universal: true``): the pieces ``load_checkpoint`` uses.
+
+The tag comes from ``<load_dir>/latest_universal`` (written by ``ds_to_universal``) when none is given; the tag
+folder must hold ``zero/`` (one folder per parameter). The model-states file is this rank's own ZeRO-3 file when
+present, else ``mp_rank_XX_model_states.pt``, else rank 0's ZeRO-3 file, so a checkpoint converted from any stage
+loads under any stage. Each ``CheckpointShards`` extension restores its partitions with ``load_universal(ctx,
+load)`` (ds-zero's shard classes), reading only the parameters it holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from deepspeed.runtime.checkpointing._errors import CheckpointError
+from deepspeed.runtime.checkpointing._layout import model_states_name, validate_tag
+
+LATEST_UNIVERSAL = "latest_universal"
+ZERO_FOLDER = "zero"
+
+
+def resolve_universal_tag(load_dir: str, tag: object) -> str:
+    if tag is not None:
+        return validate_tag(tag)
+    latest = os.path.join(load_dir, LATEST_UNIVERSAL)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"Invalid for universal checkpoint: {latest} does not exist (checkpoint.load_universal "
+                              "is true: convert a checkpoint with ds_to_universal, which writes it, or pass the tag)")
+    with open(latest, encoding="utf-8") as handle:
+        return validate_tag(handle.read().strip())
+
+
+def check_universal_folder(tag_dir: str) -> None:
+    zero = os.path.join(tag_dir, ZERO_FOLDER)
+    if not os.path.isdir(zero):
+        what = "does not exist" if not os.path.isdir(tag_dir) else f"has no {ZERO_FOLDER}/ folder ({zero} is missing)"
+        raise CheckpointError(f"checkpoint.load_universal is true but {tag_dir} is not a Universal Checkpoint: it "
+                              f"{what}; a universal checkpoint holds {ZERO_FOLDER}/<parameter name>/fp32.pt, "
+                              "exp_avg.pt, exp_avg_sq.pt. Convert it with `ds_to_universal --input_folder <tag folder> "
+                              "--output_folder <new folder>`, or set checkpoint.load_universal to false")
+
+
+def universal_model_states_path(state: Any, tag_dir: str, per_rank: Callable[[int, int], str] | None) -> str:
+    mp_rank = state.parallel.mp_rank
+    candidates = [model_states_name(mp_rank)]
+    if per_rank is not None:
+        candidates.insert(0, per_rank(state.parallel.dp_rank, mp_rank))
+    candidates.append(f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt")
+    for name in candidates:
+        if os.path.isfile(os.path.join(tag_dir, name)):
+            return os.path.join(tag_dir, name)
+    return os.path.join(tag_dir, candidates[-1])
+
+
+def load_universal_shard(shard: Any, ctx: Any, load: Callable[[str], Any]) -> None:
+    restore = getattr(shard, "load_universal", None)
+    if restore is None:
+        raise CheckpointError(f"{type(shard).__name__} cannot restore its state from the Universal Checkpoint "
+                              f"{ctx.tag_dir}; load a checkpoint saved with the same parallel layout instead")
+    restore(ctx, load)

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.activation_checkpointing``: DeepSpeed's activation checkpointing API (see ``checkpointing``)."""

@@ -1,0 +1,70 @@
+"""What the 1-bit optimizers share: the process group, the backend note, flat error-feedback buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed.runtime.comm.compressed import BLOCK, compressed_allreduce, error_sizes
+
+TORCH_BACKENDS = ("nccl", "hccl", "gloo", "torch")
+
+
+def check_backend(name: str, optimizer: str) -> None:
+    """``comm_backend_name``: nccl/hccl use torch.distributed (as here); mpi / compressed need DeepSpeed's MPI or
+    CuPy backends, which this version does not have: say so and use torch.distributed collectives instead."""
+    if str(name).lower() in TORCH_BACKENDS:
+        return
+    from deepspeed.utils import logger
+
+    logger.warning(f"{optimizer}: comm_backend_name={name!r} (MPI / compressed NCCL via mpi4py or CuPy) is not "
+                   "available in this version; the compressed all-reduce runs over torch.distributed collectives "
+                   "of the process group's own backend (gloo on CPU, NCCL on GPU) instead")
+
+
+class CompressedComm:
+    """A flat compressed average over ``group`` of one list of same-device fp32 tensors, with its error buffers
+    kept in ``state`` (the optimizer state of the first parameter, so they are in ``state_dict``)."""
+
+    def __init__(self, state: dict[str, Any], block: int = BLOCK) -> None:
+        self.state = state
+        self.block = block
+
+    def errors(self, numel: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        padded, chunk = error_sizes(numel, world, self.block)
+        worker, server = self.state.get("worker_error"), self.state.get("server_error")
+        if worker is None or worker.numel() != padded or server is None or server.numel() != chunk:
+            worker = torch.zeros(padded, dtype=torch.float32, device=device)  # first use or another world size
+            server = torch.zeros(chunk, dtype=torch.float32, device=device)
+            self.state["worker_error"], self.state["server_error"] = worker, server
+        return worker, server
+
+    def average_(self, tensors: list[torch.Tensor], group: Any) -> None:
+        """Replace every tensor of ``tensors`` with its compressed average over ``group`` (in place)."""
+        world = dist.get_world_size(group)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        worker, server = self.errors(flat.numel(), world, flat.device)
+        averaged = compressed_allreduce(flat, worker, server, group=group, block=self.block)
+        offset = 0
+        for t in tensors:
+            t.copy_(averaged[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def average_full_precision_(tensors: list[torch.Tensor], group: Any, log_name: str) -> None:
+    """The plain average over ``group`` (warm-up): one flat fp32 all-reduce."""
+    from deepspeed import comm
+
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    comm.all_reduce(flat, group=group, log_name=log_name)
+    flat.div_(dist.get_world_size(group))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
