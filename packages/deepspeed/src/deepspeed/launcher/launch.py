@@ -3,7 +3,8 @@
 The runner (``deepspeed`` command) calls this directly for a single node or with ``--no_ssh``; pdsh runs it as
 ``python -u -m deepspeed.launcher.launch --world_info=... --node_rank=%n ...`` on every node. Each rank gets
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, LOCAL_WORLD_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR and MASTER_PORT,
-and ``--local_rank=N`` as its first argument unless ``--no_local_rank``. This module does not import torch.
+and ``--local_rank=N`` as its first argument unless ``--no_local_rank``. With ``--enable_elastic_training`` the
+node runs torch's elastic agent instead (see :mod:`._elastic`). This module does not import torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from deepspeed.launcher._elastic import resolve_elastic_nodes, torchrun_command, unsupported_flags
 from deepspeed.launcher._hostfile import HostfileError, decode_world_info
 from deepspeed.launcher._procs import RankGroup, RankSpec
 from deepspeed.launcher._resources import local_gpu_count, parse_core_list, split_cores
@@ -38,6 +40,10 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
                         help="bind each rank to its own share of the cores and set OMP_NUM_THREADS to match")
     parser.add_argument("--bind_core_list", type=str, default=None,
                         help="cores to share among the ranks, e.g. '1,3-5,7' (default: all cores we may use)")
+    parser.add_argument("--enable_elastic_training", action="store_true",
+                        help="run this node's ranks under torch's elastic agent (torch.distributed.run)")
+    parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="Min number of nodes in elastic training.")
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="Max number of nodes in elastic training.")
     parser.add_argument("training_script", type=str, help="the script (or module, or program) to run per rank")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser.parse_args(args)
@@ -56,13 +62,36 @@ def rank_command(args: argparse.Namespace, local_rank: int) -> list[str]:
     return cmd + list(args.training_script_args)
 
 
-def build_rank_specs(args: argparse.Namespace, base_env: dict[str, str]) -> list[RankSpec]:
-    """One RankSpec per local slot of node ``args.node_rank``; global ranks follow host order."""
+def _world(args: argparse.Namespace) -> tuple[list[str], dict[str, list[int]]]:
     world_info = decode_world_info(args.world_info) if args.world_info != "None" else {"localhost": [0]}
     hosts = list(world_info)
     if not 0 <= args.node_rank < len(hosts):
         raise HostfileError(f"--node_rank={args.node_rank} is out of range: --world_info lists {len(hosts)} "
                             f"node(s) ({', '.join(hosts)}), accepted 0..{len(hosts) - 1}")
+    return hosts, world_info
+
+
+def elastic_spec(args: argparse.Namespace, base_env: dict[str, str]) -> RankSpec:
+    """The one process of an elastic node: torch's elastic agent (torchrun) for this node's slots."""
+    if unsupported_flags(args):
+        raise ValueError(f"{', '.join(unsupported_flags(args))}: not supported with --enable_elastic_training")
+    hosts, world_info = _world(args)
+    low, high = resolve_elastic_nodes(args.min_elastic_nodes, args.max_elastic_nodes, len(hosts))
+    local_slots = world_info[hosts[args.node_rank]]
+    env = dict(base_env)
+    if local_gpu_count() > 0:
+        env["CUDA_VISIBLE_DEVICES"] = _visible_devices(local_slots, base_env.get("CUDA_VISIBLE_DEVICES"))
+    env.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")  # as DeepSpeed's elastic agent
+    cmd = torchrun_command(nproc_per_node=len(local_slots), min_nodes=low, max_nodes=high,
+                           master_addr=args.master_addr, master_port=args.master_port,
+                           script=args.training_script, script_args=args.training_script_args,
+                           module=args.module, no_python=args.no_python)
+    return RankSpec(0, cmd, env)
+
+
+def build_rank_specs(args: argparse.Namespace, base_env: dict[str, str]) -> list[RankSpec]:
+    """One RankSpec per local slot of node ``args.node_rank``; global ranks follow host order."""
+    hosts, world_info = _world(args)
     first_rank = sum(len(world_info[h]) for h in hosts[: args.node_rank])
     world_size = sum(len(slots) for slots in world_info.values())
     local_slots = world_info[hosts[args.node_rank]]
@@ -118,6 +147,8 @@ def _save_pids(launcher_pid: int, group: RankGroup) -> str:
 def main(args: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     """Run this node's ranks with ``env`` (default: ours); returns 0, a failing rank's code, or 128+signal."""
     parsed = parse_args(args)
+    if parsed.enable_elastic_training:
+        return RankGroup([elastic_spec(parsed, dict(os.environ if env is None else env))], prefix_output=False).run()
     specs = build_rank_specs(parsed, dict(os.environ if env is None else env))
     if parsed.enable_each_rank_log != "None":
         os.makedirs(parsed.enable_each_rank_log, exist_ok=True)

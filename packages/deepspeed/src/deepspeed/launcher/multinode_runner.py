@@ -146,6 +146,9 @@ class PDSHRunner(MultiNodeRunner):
         each_rank_log = _opt(args, "enable_each_rank_log", "None")
         if each_rank_log:  # DeepSpeed passes the default "None" too; launch reads it as "off"
             cmd.append(f"--enable_each_rank_log={each_rank_log}")
+        if _opt(args, "elastic_training", False):  # DeepSpeed's flags and order
+            cmd += ["--enable_elastic_training", f"--max_elastic_nodes={_opt(args, 'max_elastic_nodes', -1)}",
+                    f"--min_elastic_nodes={_opt(args, 'min_elastic_nodes', -1)}"]
         if _opt(args, "bind_cores_to_rank", False):
             cmd.append("--bind_cores_to_rank")
             if _opt(args, "bind_core_list") is not None:

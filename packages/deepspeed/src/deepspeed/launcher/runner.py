@@ -2,7 +2,9 @@
 
 Single node (no hostfile, or one host): this process spawns the ranks itself (see :mod:`.launch`). Several
 nodes: build a pdsh/mpirun/srun command (see :mod:`.multinode_runner`), or with ``--no_ssh`` run this node's
-share directly, started once per node with its ``--node_rank``. torch is never imported here.
+share directly, started once per node with its ``--node_rank``. With ``--elastic_training`` every node runs
+torch's elastic agent (``torch.distributed.run``) over a c10d rendezvous at ``--master_addr:--master_port``
+(see :mod:`._elastic`). torch is never imported here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from deepspeed.launcher import launch
+from deepspeed.launcher._elastic import check_elastic_config, resolve_elastic_nodes, unsupported_flags
 from deepspeed.launcher._hostfile import (
     HostfileError,
     _parse_hostfile,
@@ -82,6 +85,17 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
                         help="cores to share among the ranks, e.g. '1,3-5,7' (default: all cores)")
 
 
+def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min_elastic_nodes", type=int, default=-1,
+                        help="Minimum number of nodes to run elastic training on. "
+                        "Default is 1 when elastic training is enabled")
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1,
+                        help="Maximum number of nodes to run elastic training on. "
+                        "Default is num_nodes when elastic training is enabled")
+    parser.add_argument("--elastic_training", action="store_true",
+                        help="Enable elastic training support in DeepSpeed.")
+
+
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the ``deepspeed`` command line."""
     parser = argparse.ArgumentParser(
@@ -89,6 +103,7 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_resource_args(parser)
     _add_launch_args(parser)
+    _add_elastic_args(parser)
     parser.add_argument("user_script", type=str, help="the training script (or module, or program)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
     return parser.parse_args(args)
@@ -192,7 +207,39 @@ def local_launch_args(args: argparse.Namespace, world_info: str, node_rank: int)
         out.append("--bind_cores_to_rank")
     if args.bind_core_list is not None:
         out.append(f"--bind_core_list={args.bind_core_list}")
-    return out + [args.user_script] + list(args.user_args)
+    return out + elastic_launch_args(args) + [args.user_script] + list(args.user_args)
+
+
+def elastic_launch_args(args: argparse.Namespace) -> list[str]:
+    """The per-node launcher's elastic flags, in DeepSpeed's order (none unless ``--elastic_training``)."""
+    if not getattr(args, "elastic_training", False):
+        return []
+    return ["--enable_elastic_training", f"--max_elastic_nodes={args.max_elastic_nodes}",
+            f"--min_elastic_nodes={args.min_elastic_nodes}"]
+
+
+def validate_elastic(args: argparse.Namespace, active: dict[str, list[int]], multi_node: bool) -> None:
+    """Check the elastic flags against each other, the launch mode and the script's ``--deepspeed_config``."""
+    if not args.elastic_training:
+        for flag in ("min_elastic_nodes", "max_elastic_nodes"):
+            if getattr(args, flag) != -1:
+                raise ValueError(f"--{flag}={getattr(args, flag)} needs --elastic_training")
+        return
+    low, high = resolve_elastic_nodes(args.min_elastic_nodes, args.max_elastic_nodes, len(active))
+    if high < len(active):
+        raise ValueError(f"--max_elastic_nodes={high} but {len(active)} nodes are selected "
+                         f"({', '.join(active)}); lower --num_nodes or raise --max_elastic_nodes")
+    if multi_node and not args.no_ssh and args.launcher != PDSH_LAUNCHER:
+        raise ValueError(f"--elastic_training runs torch's elastic agent on every node, which the "
+                         f"'{args.launcher}' launcher cannot start; use --launcher=pdsh or --no_ssh")
+    if unsupported_flags(args):
+        raise ValueError(f"{', '.join(unsupported_flags(args))}: not supported with --elastic_training")
+    if low > len(active):
+        logger.warning("--min_elastic_nodes=%d: waiting for %d more node(s) to join the rendezvous",
+                       low, low - len(active))
+    slots = {len(s) for s in active.values()}
+    if len(slots) == 1:
+        check_elastic_config(args.user_args, low, high, slots.pop())
 
 
 def _run_local(args: argparse.Namespace, active: dict[str, list[int]], env: dict[str, str]) -> int:
@@ -242,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     active, _, pool = select_resources_and_pool(args, env)
     multi_node = args.force_multi or len(active) > 1
     ds_env = read_deepspeed_env([os.path.expanduser("~"), "."], DEEPSPEED_ENVIRONMENT_NAME)
+    validate_elastic(args, active, multi_node)
     if multi_node and not args.no_ssh and args.launcher == PDSH_LAUNCHER and not args.no_ssh_check:
         _ssh_check(args, next(iter(active)))
     args.master_addr = _master_addr(args, active, multi_node)
