@@ -19,7 +19,9 @@ memory-mapped rank files and written once, one parameter in memory at a time), s
 the worker counts are accepted and ignored; every file is written atomically. Stage 1/2 checkpoints must hold
 ``universal_checkpoint_info`` in the model-states file (``--inject_missing_state`` adds the default one), as in
 DeepSpeed. ``strict`` (default; ``--no_strict`` turns it off) checks every converted parameter's files at the end.
-Tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported.
+Pipeline-parallel checkpoints (ZeRO-1/2 with several stages: ``mp_rank_SS`` files whose model states hold
+``pipeline_parts``) are converted stage by stage into one ``zero/`` folder by global parameter name (tied
+parameters once), and the layer files are copied; tensor-parallel checkpoints are not supported.
 """
 
 from __future__ import annotations
@@ -92,20 +94,38 @@ def _copy(src: str, dst: str) -> None:
         atomic_write(dst, lambda handle: shutil.copyfileobj(source, handle, 16 << 20))
 
 
-def _rank_sections(tag_dir: str) -> tuple[int, int, list[Mapping[str, Any]], list[str]]:
-    """(stage, world, every rank's memory-mapped ``optimizer_state_dict``, the files)."""
+def _files_of_mp_rank(tag_dir: str, pattern: Any, mp_rank: int) -> dict[int | None, str]:
+    """``{dp rank (None when absent): path}`` of model-parallel rank ``mp_rank``'s files matching ``pattern``."""
+    found: dict[int | None, str] = {}
+    for name in sorted(os.listdir(tag_dir)):
+        match = pattern.match(name)
+        if match is not None and int(match.group(2)) == mp_rank:
+            found[None if match.group(1) is None else int(match.group(1))] = os.path.join(tag_dir, name)
+    return found
+
+
+def _mp_ranks(tag_dir: str) -> list[int]:
+    """The model-parallel ranks (pipeline stages) that wrote optimizer files."""
     from ds_zero import zero_to_fp32 as z
 
-    files = z._rank_files(tag_dir, z._OPTIM_STATES_RE)
+    ranks = {int(m.group(2)) for m in map(z._OPTIM_STATES_RE.match, os.listdir(tag_dir)) if m is not None}
+    return sorted(ranks)
+
+
+def _rank_sections(tag_dir: str, mp_rank: int = 0) -> tuple[int, int, list[Mapping[str, Any]], list[str]]:
+    """(stage, world, every rank's memory-mapped ``optimizer_state_dict``, the files) of one model-parallel rank."""
+    from ds_zero import zero_to_fp32 as z
+
+    files = _files_of_mp_rank(tag_dir, z._OPTIM_STATES_RE, mp_rank)
     if not files:
-        raise UniversalConversionError(f"{tag_dir}: no zero_pp_rank_<r>_mp_rank_00_optim_states.pt files; only ZeRO "
-                                       "stage 1/2/3 checkpoint tag folders can be converted")
+        raise UniversalConversionError(f"{tag_dir}: no zero_pp_rank_<r>_mp_rank_{mp_rank:02d}_optim_states.pt files; "
+                                       "only ZeRO stage 1/2/3 checkpoint tag folders can be converted")
     first = files[min(files)]
     stage, world = z._stage_and_world(z._optimizer_section(z._load(first), first), first)
     missing = sorted(set(range(world)) - set(files))
     if missing:
         raise UniversalConversionError(f"{tag_dir}: written by {world} data-parallel ranks but the optimizer files "
-                                       f"of ranks {missing} are missing")
+                                       f"of ranks {missing} (mp_rank {mp_rank:02d}) are missing")
     paths = [files[r] for r in range(world)]
     return stage, world, [z._optimizer_section(z._load(p), p) for p in paths], paths
 
@@ -145,14 +165,14 @@ def _lazy_states(stage: int, world: int, sections: Sequence[Mapping[str, Any]], 
     return lazy, steps
 
 
-def _model_state_files(tag_dir: str, stage: int) -> list[str]:
+def _model_state_files(tag_dir: str, stage: int, mp_rank: int = 0) -> list[str]:
     from ds_zero import zero_to_fp32 as z
 
-    files = z._rank_files(tag_dir, z._MODEL_STATES_RE)
+    files = _files_of_mp_rank(tag_dir, z._MODEL_STATES_RE, mp_rank)
     if stage == 3 and any(r is not None for r in files):
         return [files[r] for r in sorted(r for r in files if r is not None)]
     if None not in files:
-        raise UniversalConversionError(f"{tag_dir}: no mp_rank_00_model_states.pt file")
+        raise UniversalConversionError(f"{tag_dir}: no mp_rank_{mp_rank:02d}_model_states.pt file")
     return [files[None]]
 
 
@@ -175,24 +195,72 @@ def _optimizer_common(section: Mapping[str, Any], stage: int) -> dict[str, Any]:
 
 
 def convert(input_folder: str, output_folder: str, inject_missing_state: bool = False, strict: bool = True) -> str:
-    """Convert the tag folder ``input_folder``; returns ``output_folder``."""
-    from ds_zero import zero_to_fp32 as z
+    """Convert the tag folder ``input_folder``; returns ``output_folder``.
 
+    A pipeline checkpoint (``mp_rank_SS`` files of several stages, each model-states file holding
+    ``pipeline_parts``) is converted stage by stage into the one ``zero/`` folder: parameter names of a
+    ``PipelineModule`` are global (layer index, ``tied_modules.<key>``), so the folders do not collide; a tied
+    parameter, held by every stage that uses it with the same values, is written once (from the first stage).
+    """
     input_folder, output_folder = os.fspath(input_folder), os.path.normpath(os.fspath(output_folder))
     if not os.path.isdir(input_folder):
         raise UniversalConversionError(f"input folder {input_folder!r} does not exist")
-    stage, world, sections, paths = _rank_sections(input_folder)
-    model_files = _model_state_files(input_folder, stage)
+    if not _mp_ranks(input_folder) and _is_stage0_pipeline(input_folder):
+        return _convert_stage0_pipeline(input_folder, output_folder, strict)
+    mp_ranks = _mp_ranks(input_folder) or [0]
+    if mp_ranks != list(range(len(mp_ranks))):
+        raise UniversalConversionError(f"{input_folder}: optimizer files of model-parallel ranks {mp_ranks}; ranks "
+                                       f"{sorted(set(range(max(mp_ranks) + 1)) - set(mp_ranks))} are missing")
+    zero_dir = os.path.join(output_folder, ZERO_FOLDER)
+    make_dirs(zero_dir)
+    written: set[str] = set()
+    all_shapes: list[Mapping[str, Any]] = []
+    keys: list[str] = []
+    common: dict[str, Any] | None = None
+    model_files: list[str] = []
+    for mp_rank in mp_ranks:
+        stage_common, stage_files, shapes, stage_keys = _convert_mp_rank(
+            input_folder, output_folder, zero_dir, mp_rank, len(mp_ranks), inject_missing_state, written)
+        common = stage_common if common is None else common
+        model_files += stage_files
+        all_shapes += shapes
+        keys = stage_keys if not keys else [k for k in keys if k in stage_keys]
+    _save(os.path.join(zero_dir, OPTIMIZER_STATE_FILE), common)
+    if len(mp_ranks) > 1:  # the pipeline's layer files (buffers, weights by global layer index) load from here too
+        model_files += [os.path.join(input_folder, name) for name in sorted(os.listdir(input_folder))
+                        if name.startswith("layer_") and name.endswith("model_states.pt")]
+    for path in model_files:
+        _copy(path, os.path.join(output_folder, os.path.basename(path)))
+    if strict:
+        _verify(zero_dir, all_shapes, keys)
+    root, step_folder = os.path.split(output_folder)
+    atomic_write_text(os.path.join(root or ".", LATEST_UNIVERSAL), step_folder)
+    print("*** Done!")
+    return output_folder
+
+
+def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_rank: int, mp_world: int,
+                     inject_missing_state: bool, written: set[str]
+                     ) -> tuple[dict[str, Any], list[str], list[Mapping[str, Any]], list[str]]:
+    """Write the ``zero/<name>/`` folders of one model-parallel rank's parameters not in ``written`` (updated).
+    Returns (the optimizer's common state, the model-states files, ``param_shapes``, the state keys written)."""
+    from ds_zero import zero_to_fp32 as z
+
+    stage, world, sections, paths = _rank_sections(input_folder, mp_rank)
+    model_files = _model_state_files(input_folder, stage, mp_rank)
     main_state = z._load(model_files[0])
+    if mp_world > 1 and (stage == 3 or main_state.get("pipeline_parts") is None):
+        raise UniversalConversionError(f"{input_folder}: a checkpoint of {mp_world} model-parallel ranks; only "
+                                       "pipeline-parallel ones (ZeRO stage 0/1/2, files holding pipeline_parts) "
+                                       "can be converted, not tensor-parallel ones")
     if stage <= 2:
         _check_required_state(main_state, inject_missing_state, model_files[0])
     shapes = z._param_groups(main_state, model_files[0])
     lazy, steps = _lazy_states(stage, world, sections, paths, shapes, model_files[0])
-    zero_dir = os.path.join(output_folder, ZERO_FOLDER)
-    make_dirs(zero_dir)
-    names = [name for group in shapes for name in group]
+    names = [name for group in shapes for name in group if name not in written]
     group_of = {name: g for g, group in enumerate(shapes) for name in group}
-    print(f"Converting ZeRO stage {stage} checkpoint {input_folder} ({world} ranks) to {output_folder}")
+    where = f" (pipeline stage {mp_rank} of {mp_world})" if mp_world > 1 else ""
+    print(f"Converting ZeRO stage {stage} checkpoint {input_folder}{where} ({world} ranks) to {output_folder}")
     for name in _progress(names, "ds_to_universal"):
         param_dir = os.path.join(zero_dir, name)
         make_dirs(param_dir)
@@ -203,20 +271,103 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
             del value, obj
         if group_of[name] in steps:  # DeepSpeed writes it at stage 1/2; stage 3 gets it too (loaders ignore it)
             _save(os.path.join(param_dir, "step.pt"), steps[group_of[name]])
+        written.add(name)
     if stage <= 2:  # parameters without optimizer state (frozen) and buffers: their model values, as DeepSpeed
         for name, tensor in (main_state.get("module") or {}).items():
-            if isinstance(tensor, torch.Tensor) and name not in group_of and tensor.numel() > 0:
+            if isinstance(tensor, torch.Tensor) and name not in group_of and name not in written and tensor.numel():
                 make_dirs(os.path.join(zero_dir, name))
                 _save(os.path.join(zero_dir, name, "fp32.pt"), {PARAM: tensor.detach().float().clone()})
-    _save(os.path.join(zero_dir, OPTIMIZER_STATE_FILE), _optimizer_common(sections[0], stage))
-    for path in model_files:
-        _copy(path, os.path.join(output_folder, os.path.basename(path)))
+                written.add(name)
+    return _optimizer_common(sections[0], stage), model_files, shapes, list(lazy)
+
+
+def _is_stage0_pipeline(tag_dir: str) -> bool:
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(path):
+        return False
+    from ds_zero import zero_to_fp32 as z
+
+    state = z._load(path)
+    return state.get("pipeline_parts") is not None and state.get("pipeline_param_names") is not None
+
+
+def _layer_value(tag_dir: str, name: str, names: Sequence[str], span: range, cache: dict[int, Any]) -> torch.Tensor:
+    """A parameter's weight from the stage's layer files: ``L.rest`` is key ``rest`` of ``layer_L``; a tied
+    ``tied_modules.<key>.rest`` is key ``rest`` of the stage's first layer file whose own names are not trained
+    under its index (the tied module's layer)."""
+    from ds_zero import zero_to_fp32 as z
+
+    def layer(index: int) -> Any:
+        if index not in cache:
+            path = os.path.join(tag_dir, f"layer_{index:02d}-model_states.pt")
+            cache[index] = z._load(path) if os.path.isfile(path) else {}
+        return cache[index]
+
+    head, _, rest = name.partition(".")
+    if head.isdigit() and rest in layer(int(head)):
+        return layer(int(head))[rest]
+    if head == "tied_modules":
+        rest = rest.partition(".")[2]
+        for index in span:
+            if not any(n.startswith(f"{index}.") for n in names) and rest in layer(index):
+                return layer(index)[rest]
+    raise UniversalConversionError(f"{tag_dir}: no layer file holds the weights of parameter {name!r}")
+
+
+def _convert_stage0_pipeline(input_folder: str, output_folder: str, strict: bool) -> str:
+    """A pipeline checkpoint without ZeRO: each stage's ``mp_rank_SS`` file holds its whole optimizer state with
+    the global names of its parameters (``pipeline_param_names``); the fp32 values are the master weights when
+    saved, else the layer files' weights."""
+    from ds_zero import zero_to_fp32 as z
+
+    zero_dir = os.path.join(output_folder, ZERO_FOLDER)
+    make_dirs(zero_dir)
+    files = sorted(name for name in os.listdir(input_folder) if name.endswith("model_states.pt")
+                   and (name.startswith("layer_") or z._MODEL_STATES_RE.match(name)))
+    first = z._load(os.path.join(input_folder, "mp_rank_00_model_states.pt"))
+    parts, written, shapes, common = list(first["pipeline_parts"]), set(), {}, None
+    print(f"Converting pipeline checkpoint {input_folder} ({len(parts) - 1} stages, no ZeRO) to {output_folder}")
+    for stage in range(len(parts) - 1):
+        path = os.path.join(input_folder, _model_states_name(stage))
+        state = first if stage == 0 else z._load(path)
+        names, optimizer = state.get("pipeline_param_names"), state.get("optimizer")
+        if names is None or optimizer is None:
+            raise UniversalConversionError(f"{path}: no optimizer state by parameter name (saved without an "
+                                           "optimizer?); nothing to convert")
+        inner, masters = optimizer["optimizer_state_dict"], optimizer.get("fp32_master_weights")
+        common = common if common is not None else {PARAM_GROUPS: inner.get(PARAM_GROUPS, []),
+                                                    "loss_scaler": optimizer.get("loss_scaler")}
+        cache: dict[int, Any] = {}
+        for index, name in enumerate(names):
+            if name in written:
+                continue
+            param_dir = os.path.join(zero_dir, name)
+            make_dirs(param_dir)
+            value = (masters[index] if masters is not None
+                     else _layer_value(input_folder, name, names, range(parts[stage], parts[stage + 1]), cache))
+            shapes[name] = tuple(value.shape)
+            _save(os.path.join(param_dir, "fp32.pt"), {PARAM: value.detach().float().clone(), CAT_DIM: 0})
+            entry = inner["state"].get(index, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if isinstance(entry.get(key), torch.Tensor):
+                    _save(os.path.join(param_dir, f"{key}.pt"), {PARAM: entry[key].detach().float().clone(),
+                                                                CAT_DIM: 0})
+            if "step" in entry:
+                _save(os.path.join(param_dir, "step.pt"), entry["step"])
+            written.add(name)
+    _save(os.path.join(zero_dir, OPTIMIZER_STATE_FILE), common)
+    for name in files:
+        _copy(os.path.join(input_folder, name), os.path.join(output_folder, name))
     if strict:
-        _verify(zero_dir, shapes, list(lazy))
+        _verify(zero_dir, [shapes], ["fp32"])
     root, step_folder = os.path.split(output_folder)
     atomic_write_text(os.path.join(root or ".", LATEST_UNIVERSAL), step_folder)
     print("*** Done!")
     return output_folder
+
+
+def _model_states_name(mp_rank: int) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def _verify(zero_dir: str, shapes: list[Mapping[str, Any]], keys: list[str]) -> None:

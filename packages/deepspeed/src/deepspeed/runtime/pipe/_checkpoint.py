@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,31 @@ class _StageExtras:
         """Tied copies that were not saved as layers (``TiedLayerSpec(forward_fn=...)``) take the loaded one."""
         self.engine.module._synchronize_tied_weights()
 
+    def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """This stage's parameters from ``zero/<global name>/fp32.pt`` (ZeRO's shard, which follows, restores its
+        own partitions; a stage-0 wrapper's state is loaded by ``_load_universal`` afterwards)."""
+        from ds_zero.checkpoint import UNIVERSAL_ZERO, read_universal
+
+        with torch.no_grad():
+            for name, param in self.engine.module.named_parameters():
+                if os.path.isfile(os.path.join(ctx.tag_dir, UNIVERSAL_ZERO, name, "fp32.pt")):
+                    param.copy_(read_universal(ctx, load, name, "fp32", param.numel()).view_as(param))
+        self.engine.module._synchronize_tied_weights()
+
+
+class _StageLayers(PipelineLayerShards):
+    """The stage's layer files; from a Universal Checkpoint, the layers whose files were copied there (buffers;
+    the weights are then set from ``zero/`` by :class:`_StageExtras`)."""
+
+    def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        layers = self.layers
+        try:
+            self.layers = [(i, layer) for i, layer in layers
+                           if os.path.isfile(os.path.join(ctx.tag_dir, self._name(i, ctx)))]
+            self.load_files(ctx, load)
+        finally:
+            self.layers = layers
+
 
 def stage_shards(engine: Any) -> tuple[Any, ...]:
     """The checkpoint extensions of one pipeline stage: its layer files and its model-states keys."""
@@ -56,7 +82,7 @@ def stage_shards(engine: Any) -> tuple[Any, ...]:
     layers = [(module._local_start + i, f) for i, f in enumerate(module.forward_funcs)
               if isinstance(f, torch.nn.Module)]
     by_index = {index: module.ckpt_layer_path("", index - module._local_start) for index, _ in layers}
-    return PipelineLayerShards(layers, file_name=lambda index: os.path.basename(by_index[index])), _StageExtras(engine)
+    return _StageLayers(layers, file_name=lambda index: os.path.basename(by_index[index])), _StageExtras(engine)
 
 
 def _optimizer_model_params(wrapper: Any) -> list[torch.nn.Parameter] | None:
@@ -80,7 +106,10 @@ def _optimizer_param_names(engine: Any) -> list[str] | None:
 
 
 def load(engine: Any, base_load: Callable[..., Any], load_dir: str, tag: Any, **kwargs: Any) -> Any:
-    """``engine.load_checkpoint``: the base load when the partition is unchanged, else the re-partitioning load."""
+    """``engine.load_checkpoint``: the base load when the partition is unchanged, else the re-partitioning load;
+    with ``checkpoint.load_universal`` the Universal Checkpoint load (any partition, any data-parallel size)."""
+    if checkpointing.as_engine_state(engine).checkpoint_config.load_universal:
+        return _load_universal(engine, load_dir, tag, **kwargs)
     tag = tag if tag is not None else checkpointing.read_latest(load_dir)
     if tag is None:
         return base_load(load_dir, None, **kwargs)
@@ -159,4 +188,80 @@ def _gather_optimizer_state(engine: Any, load_dir: str, tag: str, first: dict[st
         result["fp32_master_weights"] = [by_name[name][1] for name in mine]
     if scaler is not None:
         result["loss_scaler"] = scaler
+    return result
+
+
+# ---- Universal Checkpoints (ds_to_universal's zero/<global name>/ folders) ---------------------------------------
+
+def _load_universal(engine: Any, load_dir: str, tag: Any, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, custom_load_fn: Any = None) -> Any:
+    """Counters, schedule and client state from ``mp_rank_00`` (the same on every stage); every rank reads only the
+    ``zero/<name>/`` folders of its stage's parameters (global names), so any number of stages and data-parallel
+    ranks loads a checkpoint converted from any pipeline layout."""
+    from deepspeed.checkpoint import universal as uc
+
+    if engine.optimizer is not None:
+        engine._require_states_in_place("load_checkpoint")
+    tag = uc.resolve_universal_tag(os.fspath(load_dir), tag)
+    first = os.path.join(os.fspath(load_dir), tag, model_states_name(0))
+    if os.path.isfile(first):
+        parts = torch.load(first, map_location="cpu", weights_only=True, mmap=True).get(_PARTS)
+        if parts is not None and parts[-1] != engine.module.parts[-1]:
+            raise CheckpointError(f"{load_dir}/{tag}: the checkpoint's pipeline has {parts[-1]} layers, this "
+                                  f"PipelineModule has {engine.module.parts[-1]}: they are different models")
+    stage0 = _optimizer_model_params(engine.optimizer) is not None  # else ZeRO's shard restores its state
+    state = checkpointing.as_engine_state(engine)
+    state = dataclasses.replace(state, parallel=dataclasses.replace(state.parallel, mp_rank=0))
+    path, client_state = checkpointing.load_checkpoint(
+        state, load_dir, tag=tag, load_module_strict=load_module_strict,
+        load_optimizer_states=load_optimizer_states and not stage0, load_lr_scheduler_states=load_lr_scheduler_states,
+        load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+    if path is not None and stage0:
+        if load_optimizer_states and not load_module_only:
+            tag_dir = os.path.join(os.fspath(load_dir), tag)
+            engine.optimizer.load_state_dict(_universal_optimizer_state(engine, tag_dir))
+        else:
+            engine.optimizer.sync_master_from_model()
+    if client_state is not None:
+        client_state = {k: v for k, v in client_state.items() if k not in ("optimizer", _PARTS, _NAMES)}
+    return path, client_state
+
+
+def _universal_optimizer_state(engine: Any, tag_dir: str) -> dict[str, Any]:
+    """A stage-0 wrapper's state dict (``FP32Optimizer``) built from the universal folders of its parameters."""
+    from ds_zero.checkpoint import check_universal_folders, read_universal, read_universal_common, universal_keys
+
+    ctx = types.SimpleNamespace(tag_dir=tag_dir)  # what the universal readers use
+    trusted = checkpointing.as_engine_state(engine).trusted_load
+
+    def load(name: str) -> Any:
+        return load_file(os.path.join(tag_dir, name), trusted=trusted)
+
+    names = _optimizer_param_names(engine)
+    params = _optimizer_model_params(engine.optimizer)
+    check_universal_folders(ctx.tag_dir, names)
+    common = read_universal_common(ctx, load)
+    state: dict[int, dict[str, Any]] = {}
+    for i, (name, param) in enumerate(zip(names, params, strict=True)):
+        entry = {key: read_universal(ctx, load, name, key, param.numel()).view(param.shape)
+                 for key in universal_keys(ctx.tag_dir, [name], True) if key != "fp32"}
+        step = os.path.join(ctx.tag_dir, "zero", name, "step.pt")
+        if entry and os.path.isfile(step):
+            entry["step"] = load(os.path.join("zero", name, "step.pt"))
+        if entry:
+            state[i] = entry
+    current = engine.optimizer.optimizer.state_dict()["param_groups"]
+    saved = common.get("param_groups") or current
+    if len(saved) != len(current):
+        raise CheckpointError(f"{ctx.tag_dir}: the checkpoint's optimizer has {len(saved)} parameter groups, this "
+                              f"one {len(current)}")
+    groups = [{**{k: v for k, v in old.items() if k != "params"}, "params": now["params"]}
+              for old, now in zip(saved, current, strict=True)]
+    result: dict[str, Any] = {"optimizer_state_dict": {"state": state, "param_groups": groups}}
+    if hasattr(engine.optimizer, "master_of"):
+        result["fp32_master_weights"] = [read_universal(ctx, load, name, "fp32", p.numel()).view(p.shape)
+                                         for name, p in zip(names, params, strict=True)]
+    if common.get("loss_scaler") and getattr(engine.optimizer, "loss_scaler", None) is not None:
+        result["loss_scaler"] = common["loss_scaler"]
     return result
