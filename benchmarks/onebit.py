@@ -1,12 +1,18 @@
-"""1-bit Adam (``OneBitAdam``) against Adam through ``deepspeed.initialize``: wall time per step and bytes on the
-wire per step after ``freeze_step``, on 2 and 4 gloo ranks (the shared test harness, 1 torch thread per rank).
+"""The 1-bit optimizers against their plain versions through ``deepspeed.initialize``: wall time per step and
+bytes on the wire per step after the freeze, on 2 and 4 gloo ranks (the shared test harness, 1 torch thread per
+rank).
 
 Model: an MLP of ``--layers`` x ``Linear(--width, --width)`` + GELU, MSE loss, fp32, micro-batch ``--micro`` per
-rank. Adam: the config's ``Adam`` with ``torch_adam`` (gradients all-reduced by the engine, fp32).
-OneBitAdam: ``freeze_step`` = ``--warmup`` (full-precision warm-up), then 1-bit compressed momentum. Each variant
-runs ``--warmup`` untimed steps, then ``--steps`` timed steps (median of the slowest rank's step time), then 3
+rank. Adam: the config's ``Adam`` with ``torch_adam`` (gradients all-reduced by the engine, fp32). Lamb: the
+config's ``Lamb`` (FusedLamb, all-reduced by the engine). OneBitAdam / OneBitLamb: ``freeze_step`` = ``--warmup``
+(full-precision warm-up), then 1-bit compressed momentum every step. ZeroOneAdam: ``var_freeze_step`` =
+``--warmup``, then local steps whose interval doubles every step up to 4 (``local_step_scaler`` 1,
+``local_step_clipper`` 4): one 1-bit sync per 4 steps, so its median step time is a local step's. Each variant
+runs ``--warmup`` untimed steps, then ``--steps`` timed steps (median and mean of the slowest rank's step time; the
+ratio is of medians), then 4
 steps with the comms logger on to count bytes (``deepspeed.comm``'s message sizes, summed over ops: what this
-rank hands to the collectives, per step). Ratio = OneBitAdam / Adam. Run: ``hatch run bench:onebit``.
+rank hands to the collectives, per step). Ratios: against Adam (OneBitAdam, ZeroOneAdam) or Lamb (OneBitLamb).
+Run: ``hatch run bench:onebit``.
 """
 
 from __future__ import annotations
@@ -57,11 +63,11 @@ def _rank_run(optimizer: dict, width: int, layers: int, micro: int, warmup: int,
         times.append(float(elapsed) * 1e3)
     comm.configure(enabled=True, prof_all=True)
     comm._state.comms_logger.reset()
-    for _ in range(3):
+    for _ in range(4):
         step()
-    sent = sum(size * rec.count for _, size, rec in comm._state.comms_logger.rows()) / 3
+    sent = sum(size * rec.count for _, size, rec in comm._state.comms_logger.rows()) / 4
     comm.configure(enabled=False)
-    return {"ms": statistics.median(times), "bytes": sent, "loss": step(),
+    return {"ms": statistics.median(times), "mean_ms": statistics.fmean(times), "bytes": sent, "loss": step(),
             "params": sum(p.numel() for p in engine.module.parameters())}
 
 
@@ -76,20 +82,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
-    adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "adam_w_mode": False}}
-    onebit = {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": args.warmup}}
+    variants = {  # name -> (config, baseline name)
+        "Adam": ({"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "adam_w_mode": False}}, "Adam"),
+        "OneBitAdam": ({"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": args.warmup}}, "Adam"),
+        "ZeroOneAdam": ({"type": "ZeroOneAdam", "params": {"lr": 1e-4, "var_freeze_step": args.warmup,
+                                                           "local_step_scaler": 1, "local_step_clipper": 4}}, "Adam"),
+        "Lamb": ({"type": "Lamb", "params": {"lr": 1e-4, "bias_correction": False}}, "Lamb"),
+        "OneBitLamb": ({"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": args.warmup}}, "Lamb"),
+    }
     print(f"# onebit: {datetime.date.today()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
           f"MLP {args.layers}x{args.width}, micro-batch {args.micro}/rank, median of {args.steps} steps")
-    print(f"{'ranks':>5} {'optimizer':>11} {'params':>9} {'ms/step':>9} {'bytes/step':>12} {'ms ratio':>9} "
-          f"{'bytes ratio':>12}")
+    print(f"{'ranks':>5} {'optimizer':>11} {'params':>9} {'ms/step':>9} {'mean ms':>9} {'bytes/step':>12} "
+          f"{'ms ratio':>9} {'bytes ratio':>12}")
     for world in args.worlds:
-        base = None
-        for name, opt in (("Adam", adam), ("OneBitAdam", onebit)):
-            r = run_distributed(_rank_run, world_size=world, timeout=600,
-                                args=(opt, args.width, args.layers, args.micro, args.warmup, args.steps))[0]
-            base = base or r
-            print(f"{world:>5} {name:>11} {r['params']:>9} {r['ms']:>9.2f} {r['bytes']:>12.0f} "
-                  f"{r['ms'] / base['ms']:>9.3f} {r['bytes'] / base['bytes']:>12.4f}")
+        done: dict[str, dict] = {}
+        for name, (opt, base) in variants.items():
+            r = done[name] = run_distributed(_rank_run, world_size=world, timeout=600,
+                                             args=(opt, args.width, args.layers, args.micro, args.warmup,
+                                                   args.steps))[0]
+            print(f"{world:>5} {name:>11} {r['params']:>9} {r['ms']:>9.2f} {r['mean_ms']:>9.2f} {r['bytes']:>12.0f} "
+                  f"{r['ms'] / done[base]['ms']:>9.3f} {r['bytes'] / done[base]['bytes']:>12.4f}")
 
 
 if __name__ == "__main__":

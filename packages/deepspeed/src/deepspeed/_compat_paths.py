@@ -71,10 +71,6 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.module_inject": "inference kernel injection and AutoTP (deepspeed.module_inject)",
     "deepspeed.ops.transformer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
-    "deepspeed.runtime.fp16.onebit.zoadam":
-        "the communication-compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB)",
-    "deepspeed.runtime.fp16.onebit.lamb":
-        "the communication-compressed optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB)",
     "deepspeed.sequence": "sequence parallelism (DeepSpeed-Ulysses)",
     "deepspeed.compile": "DeepCompile and AutoSP (deepspeed.compile)",
     "deepspeed.autotuning": "autotuning (deepspeed --autotuning)",

@@ -3,7 +3,8 @@
 DeepSpeed's names (case-insensitive): Adam/AdamW -> ds_ops ``FusedAdam`` (torch's Adam/AdamW with
 ``torch_adam``; ``adam_w_mode`` selects decoupled weight decay, always on for AdamW), Lamb -> ``FusedLamb``,
 Lion -> ``FusedLion``, Adagrad -> ``torch.optim.Adagrad``; with ZeRO optimizer offload to the CPU the
-DeepSpeedCPU* variants. Any other name is looked up in ``torch.optim``.
+DeepSpeedCPU* variants; OneBitAdam / ZeroOneAdam / OneBitLamb -> ``deepspeed.runtime.fp16.onebit`` (ZeRO stage 0
+only). Any other name is looked up in ``torch.optim``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from typing import Any
 import torch
 
 from ds_config import ConfigError, ConfigProblem
-
-ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
-UNAVAILABLE = ("zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon")
 
 # what ZeRO accepts without ``zero_allow_untested_optimizer`` (class names, as DeepSpeed's list)
 ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "DeepSpeedCPUAdagrad",
@@ -56,13 +54,21 @@ def _deepspeed_optimizer(name: str, params: Any, kwargs: dict[str, Any], cpu_off
         return (ds_ops.DeepSpeedCPULion if cpu_offload else ds_ops.FusedLion)(params, **kwargs)
     if name == "adagrad":
         return (ds_ops.DeepSpeedCPUAdagrad if cpu_offload else torch.optim.Adagrad)(params, **kwargs)
-    if name == "onebitadam":  # communicates itself: build_stage0 gives it no gradient reducer
+    if name == "onebitadam":  # the 1-bit optimizers communicate themselves: build_stage0 gives it no gradient reducer
         from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
 
         return OnebitAdam(params, **kwargs)
-    raise ConfigError(ConfigProblem("optimizer.type", "is not available in this version of DeepSpeed (0/1 Adam, "
-                                    "1-bit LAMB and MuP/Muon optimizers come in a later release); accepted: Adam, "
-                                    "AdamW, OneBitAdam, Lamb, Lion, Adagrad or a torch.optim class name", name))
+    if name == "zerooneadam":
+        from deepspeed.runtime.fp16.onebit.zoadam import ZeroOneAdam
+
+        return ZeroOneAdam(params, **kwargs)
+    if name == "onebitlamb":
+        from deepspeed.runtime.fp16.onebit.lamb import OnebitLamb
+
+        return OnebitLamb(params, **kwargs)
+    raise ConfigError(ConfigProblem("optimizer.type", "is not available in this version of DeepSpeed (MuP/Muon "
+                                    "optimizers come in a later release); accepted: Adam, AdamW, OneBitAdam, "
+                                    "ZeroOneAdam, Lamb, OneBitLamb, Lion, Adagrad or a torch.optim class name", name))
 
 
 def optimizer_from_config(section: Any, params: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:

@@ -1,7 +1,9 @@
-"""What the 1-bit optimizers share: the process group, the backend note, flat error-feedback buffers."""
+"""What the 1-bit optimizers share: their base class (process group, parameter walk, restored step), the backend
+note, flat error-feedback buffers, momentum masks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,3 +70,61 @@ def average_full_precision_(tensors: list[torch.Tensor], group: Any, log_name: s
 
 def distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+class OnebitOptimizer(torch.optim.Optimizer):
+    """Base of ``OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb``: they communicate themselves (the engine gives
+    them no gradient reducer and sets ``comm_group``, the data-parallel group; default: the world)."""
+
+    communicates_gradients = True  # the engine must not all-reduce gradients for these optimizers
+
+    def _init_comm(self, deepspeed: Any, cuda_aware: bool, comm_backend_name: str) -> None:
+        self.deepspeed = deepspeed
+        self.cuda_aware = bool(cuda_aware)
+        self.comm_backend_name = comm_backend_name
+        check_backend(comm_backend_name, type(self).__name__)
+        self.comm_group: Any = None
+
+    def _params(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        """(group, param) of every parameter with a gradient; sparse gradients are refused."""
+        out = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for _, p in out:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        return out
+
+    def _head(self) -> dict[str, Any]:
+        """The state of the first parameter: it holds the error-feedback buffers and optimizer-wide scalars."""
+        return self.state[self.param_groups[0]["params"][0]]
+
+    def _comm(self) -> CompressedComm:
+        return CompressedComm(self._head())
+
+    def _restored_step(self) -> int:
+        return max((int(s.get("step", 0)) for s in self.state.values()), default=0)
+
+    @staticmethod
+    def _closure(closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _keep_masks(self, state_dict: dict[str, Any]) -> None:
+        """``exp_avg_mask`` stays the one the client set on the live groups (DeepSpeed: it may change between
+        training phases), never the checkpoint's."""
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=False):
+            if "exp_avg_mask" in group:
+                saved["exp_avg_mask"] = group["exp_avg_mask"]
+            else:
+                saved.pop("exp_avg_mask", None)
+
+
+def apply_mask_(group: dict[str, Any], tensor: torch.Tensor) -> None:
+    """Multiply ``tensor`` by the group's ``exp_avg_mask`` if it has one: 1-bit compression cannot send an exact
+    zero, so momenta that must stay zero (e.g. unused embedding rows) are masked after each compressed average."""
+    mask = group.get("exp_avg_mask")
+    if mask is not None:
+        if mask.device != tensor.device:
+            group["exp_avg_mask"] = mask = mask.to(tensor.device)
+        tensor.mul_(mask)

@@ -18,17 +18,15 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime.fp16.onebit._common import CompressedComm, average_full_precision_, check_backend, distributed
+from deepspeed.runtime.fp16.onebit._common import OnebitOptimizer, average_full_precision_, distributed
 
 
-class OnebitAdam(torch.optim.Optimizer):
+class OnebitAdam(OnebitOptimizer):
     """1-bit Adam over ``params``; ``comm_group`` (default: the world) is the data-parallel group the engine sets.
 
     ``deepspeed`` (the engine, in DeepSpeed's signature) is accepted and not needed. ``cuda_aware`` only
     matters for DeepSpeed's MPI backend; ``comm_backend_name`` other than nccl/hccl logs a note (see ``_common``).
     """
-
-    communicates_gradients = True  # the engine must not all-reduce gradients for this optimizer
 
     def __init__(self, params: Iterable, deepspeed: Any = None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -41,31 +39,16 @@ class OnebitAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
-        self.deepspeed = deepspeed
+        self._init_comm(deepspeed, cuda_aware, comm_backend_name)
         self.freeze_step = int(freeze_step)
         self.eps_mode = 0 if eps_inside_sqrt else 1
-        self.cuda_aware = bool(cuda_aware)
-        self.comm_backend_name = comm_backend_name
-        check_backend(comm_backend_name, "OnebitAdam")
-        self.comm_group: Any = None
         self.adam_freeze_key = False  # True once compression is on (DeepSpeed's attribute name)
-
-    def _params(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
-
-    def _comm(self) -> CompressedComm:
-        return CompressedComm(self.state[self.param_groups[0]["params"][0]])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure(closure)
         params = self._params()
         for _, p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("1-bit Adam does not support sparse gradients")
             state = self.state[p]
             if "exp_avg" not in state:
                 state["step"] = 0
