@@ -268,6 +268,7 @@ def _misuse():
     module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss())
     engine, *_ = deepspeed.initialize(model=module, config=_config(pipeline={"activation_checkpoint_interval": 2}))
     out["interval"] = engine.module.activation_checkpoint_interval
+    out["ckpt_func"] = engine.module.activation_checkpoint_func.__module__
     with pytest.raises(ValueError, match="mpu must be None"):
         deepspeed.initialize(model=module, config=_config(), mpu=module.mpu())
     return out
@@ -276,6 +277,7 @@ def _misuse():
 def test_misuse_is_a_clear_error():
     got = run_distributed(_misuse, world_size=2, timeout=120)
     assert got[0]["interval"] == 2
+    assert got[0]["ckpt_func"] == "deepspeed.runtime.activation_checkpointing.checkpointing"  # DeepSpeed's default
 
 
 def _sliced(partitioned):

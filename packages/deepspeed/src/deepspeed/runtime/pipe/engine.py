@@ -24,6 +24,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.pipe import _checkpoint
 from ds_config import ConfigError, ConfigProblem
+from ds_pipe import module as pipe_module
 from ds_pipe import schedule
 from ds_pipe.module import PipelineError, PipelineModule
 from ds_pipe.p2p import LinkConfig, PipelineAbort, StageLink
@@ -423,6 +424,12 @@ def _apply_pipeline_config(model: PipelineModule, config: Any) -> None:
         raise ConfigError(*problems)
     if section.activation_checkpoint_interval > 0:
         model.set_checkpoint_interval(section.activation_checkpoint_interval)
+    if model.activation_checkpoint_func is pipe_module.checkpoint:
+        # ds-pipe cannot import deepspeed, so its default is torch's checkpoint; under the engine, DeepSpeed's
+        # default (deepspeed.checkpointing: the RNG tracker, partition_activations, checkpoint_in_cpu) takes over
+        from deepspeed import checkpointing
+
+        model.activation_checkpoint_func = checkpointing.checkpoint
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
