@@ -34,6 +34,8 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.ops.lamb": "ds_ops.lamb",
     "deepspeed.ops.lamb.fused_lamb": "ds_ops.lamb.fused_lamb",
     "deepspeed.ops.op_builder": "ds_ops.op_builder",
+    # block-sparse self-attention (ds-ops, issue 20)
+    "deepspeed.ops.sparse_attention": "ds_ops.sparse_attention",
     # ZeRO (ds-zero, issue 7)
     "deepspeed.runtime.zero.stage_1_and_2": "ds_zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3": "ds_zero.stage3",
@@ -71,12 +73,10 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
     "deepspeed.module_inject": "inference kernel injection and AutoTP (deepspeed.module_inject)",
     "deepspeed.ops.transformer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
-    "deepspeed.sequence": "sequence parallelism (DeepSpeed-Ulysses)",
     "deepspeed.compile": "DeepCompile and AutoSP (deepspeed.compile)",
     "deepspeed.autotuning": "autotuning (deepspeed --autotuning)",
-    "deepspeed.runtime.data_pipeline": "data efficiency (curriculum learning, random-LTD)",
+    "deepspeed.runtime.data_pipeline.data_sampling": "data efficiency sampling (DataAnalyzer, DeepSpeedDataSampler)",
     "deepspeed.compression": "model compression (deepspeed.compression)",
-    "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
 }
 """Documented paths of features this version does not have yet: importing one raises ``FeatureNotAvailable`` (a
 ``ModuleNotFoundError``) naming the feature, instead of a bare "No module named ...". Rows leave as features land."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime import _moe_setup, _setup
+from deepspeed.runtime import _data_efficiency, _moe_setup, _setup
 from deepspeed.runtime._accessors import ConfigAccessors
 from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
 from deepspeed.runtime._zero3_engine import Zero3EngineMethods
@@ -79,6 +79,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
 
             self.checkpoint_shards = (*self.checkpoint_shards, MoECheckpointShards(self))
         self._configure_training_state()
+        self.data_efficiency = _data_efficiency.build(config, self.train_batch_size(),
+                                                      self.train_micro_batch_size_per_gpu())
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
         self.monitor = _setup.build_monitor(config)
@@ -214,6 +216,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.timers.start(FORWARD)
         if self._config.fp16_enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
+        if self.data_efficiency is not None and self.module.training:
+            kwargs = self.data_efficiency.before_forward(self.global_steps, kwargs)
         ctx = autocast_context(self._config.torch_autocast_enabled, self._autocast_dtype(), self.device.type)
         with ctx:
             out = self.module(*inputs, **kwargs)
@@ -396,6 +400,27 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         if prof is not None and not prof.started and self.global_rank == 0 \
                 and self.global_steps + 1 == self._config.flops_profiler.profile_step:
             prof.start_profile()
+
+    # ---- data efficiency (curriculum learning, random-LTD) ----------------------------------------------------
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.data_efficiency is not None and self.data_efficiency.curriculum is not None
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func: Any) -> None:
+        """The difficulty at a global step comes from ``schedule_func(step)`` (curriculum ``schedule_type: custom``)."""
+        if not self.curriculum_enabled_legacy():
+            raise RuntimeError("set_custom_curriculum_learning_schedule: curriculum_learning is not enabled")
+        self.data_efficiency.curriculum.set_custom_get_difficulty(schedule_func)
+
+    def random_ltd_enabled(self) -> bool:
+        return self.data_efficiency is not None and self.data_efficiency.random_ltd is not None
+
+    def random_ltd_initialize(self) -> None:
+        """Give the model's ``RandomLayerTokenDrop`` layers the schedule (``convert_to_random_ltd`` calls it)."""
+        from deepspeed.runtime.data_pipeline.data_routing.helper import random_ltd_initialize
+
+        if not self.random_ltd_enabled():
+            raise RuntimeError("random_ltd_initialize: data_efficiency.data_routing.random_ltd is not enabled")
+        random_ltd_initialize(self.module, self.data_efficiency.random_ltd_config, self.data_efficiency.random_ltd)
 
     def was_step_applied(self) -> bool:
         """True when the last ``step()`` updated the weights (a boundary step without overflow)."""

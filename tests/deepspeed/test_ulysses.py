@@ -1,0 +1,170 @@
+"""DeepSpeed-Ulysses (``deepspeed.sequence.layer.DistributedAttention``) against single-rank attention.
+
+Each rank holds a contiguous slice of the sequence; the sharded result must equal the full computation sliced
+(outputs and input gradients), and a small transformer block trained with the sequence split over 2 ranks must
+follow the single-rank loss curve when the replicated weights' gradients are summed over the sequence group
+(what DeepSpeed's engine does: all-reduce over the sequence-data-parallel group, divide by data parallel only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _harness import run_distributed
+
+from deepspeed.sequence.layer import DistributedAttention
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _causal_sdpa(batch_dim_idx: int):
+    """Local attention over [s, b, h, d] (batch_dim_idx=1) or [b, s, h, d] (0), causal over the sequence."""
+
+    def attend(q, k, v):
+        to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if batch_dim_idx == 1 else (lambda t: t.transpose(1, 2))
+        out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), is_causal=True)
+        return out.permute(2, 0, 1, 3) if batch_dim_idx == 1 else out.transpose(1, 2)
+
+    return attend
+
+
+def _rotate(t, cos, sin):  # reference rotary embedding, written independently of the module's
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+
+def _attention_matches(batch_dim_idx: int, heads: int, rotary: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq, batch, dim = 8, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    shape = (seq, batch, heads, dim) if batch_dim_idx == 1 else (batch, seq, heads, dim)
+    q, k, v, upstream = (torch.randn(shape, generator=gen) for _ in range(4))
+    seq_dim = 1 - batch_dim_idx
+    attend = _causal_sdpa(batch_dim_idx)
+    rope = None
+    if rotary:
+        angles = torch.randn(batch, seq, 1, dim // 2, generator=gen).repeat(1, 1, 1, 2)
+        rope = (angles.cos(), angles.sin())
+
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    fq, fk = full[0], full[1]
+    if rotary:
+        cos, sin = (r.permute(1, 0, 2, 3) for r in rope) if batch_dim_idx == 1 else rope
+        fq, fk = _rotate(fq, cos, sin), _rotate(fk, cos, sin)
+    expected = attend(fq, fk, full[2])
+    expected.backward(upstream)
+
+    local = [t.chunk(world, dim=seq_dim)[rank].clone().requires_grad_() for t in (q, k, v)]
+    layer = DistributedAttention(attend, dist.group.WORLD)
+    out = layer(*local, batch_dim_idx, rope)
+    out.backward(upstream.chunk(world, dim=seq_dim)[rank])
+
+    torch.testing.assert_close(out, expected.chunk(world, dim=seq_dim)[rank], **TOL)
+    for name, mine, ref in zip("qkv", local, full, strict=True):
+        torch.testing.assert_close(mine.grad, ref.grad.chunk(world, dim=seq_dim)[rank], **TOL, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("batch_dim_idx", [0, 1], ids=["batch_first", "seq_first"])
+def test_two_ranks_equal_one_rank_outputs_and_input_gradients(batch_dim_idx):
+    run_distributed(_attention_matches, world_size=2, args=(batch_dim_idx, 4, False), timeout=60)
+
+
+@pytest.mark.parametrize("batch_dim_idx", [0, 1], ids=["batch_first", "seq_first"])
+def test_four_ranks_and_rotary_embedding(batch_dim_idx):
+    run_distributed(_attention_matches, world_size=4, args=(batch_dim_idx, 4, True), timeout=60)
+
+
+def test_one_rank_is_plain_attention():
+    run_distributed(_attention_matches, world_size=1, args=(1, 3, True), timeout=60)
+
+
+class _Block(torch.nn.Module):
+    """Pre-norm transformer block over [s, b, hidden]; ``attention(q, k, v)`` takes [s, b, heads, dim]."""
+
+    def __init__(self, hidden: int, heads: int, attention) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * hidden, hidden))
+        self.attention = attention
+
+    def forward(self, x):
+        s, b, hidden = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(s, b, 3, self.heads, hidden // self.heads).unbind(dim=2)
+        x = x + self.proj(self.attention(q, k, v).reshape(s, b, hidden))
+        return x + self.mlp(self.norm2(x))
+
+
+def _train(model, x, target, total: int, group) -> list[float]:
+    """3 SGD steps on a sum-of-squares loss normalised by the global element count; gradients summed over
+    ``group`` (the sequence group) as the engine's reduction would."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = ((model(x) - target) ** 2).sum() / total
+        loss.backward()
+        if group is not None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=group)
+        losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+def _block_training_matches() -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq, batch, hidden, heads = 8, 2, 16, 4
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(seq, batch, hidden, generator=gen), torch.randn(seq, batch, hidden, generator=gen)
+    torch.manual_seed(2)
+    reference = _Block(hidden, heads, _causal_sdpa(1))
+    sharded = _Block(hidden, heads, None)
+    sharded.load_state_dict(reference.state_dict())
+    sp_attention = DistributedAttention(_causal_sdpa(1), dist.group.WORLD)
+    sharded.attention = lambda q, k, v: sp_attention(q, k, v, 1)
+
+    expected = _train(reference, x, target, x.numel(), None)
+    got = _train(sharded, x.chunk(world)[rank], target.chunk(world)[rank], x.numel(), dist.group.WORLD)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOL)
+    for name, p in sharded.named_parameters():
+        torch.testing.assert_close(p, reference.state_dict()[name], **TOL, msg=name)
+    return got
+
+
+def test_block_trained_with_half_the_sequence_per_rank_follows_the_one_rank_losses():
+    losses = run_distributed(_block_training_matches, world_size=2, timeout=60)
+    assert losses[0] == losses[1] and losses[0][2] < losses[0][0]
+
+
+def _errors() -> None:
+    layer = DistributedAttention(_causal_sdpa(1), dist.group.WORLD)
+    q = torch.randn(4, 2, 3, 8)  # 3 heads over 2 ranks
+    with pytest.raises(ValueError, match=r"number of heads of query \(3, dim 2\) must be divisible by the "
+                                         r"sequence parallel size \(2\)"):
+        layer(q, q, q, 1)
+    with pytest.raises(ValueError, match="batch_dim_idx must be 0"):
+        layer(q, q, q, 2)
+    with pytest.raises(ValueError, match="expected 4 dims"):
+        layer(q[..., 0, 0], q[..., 0, 0], q[..., 0, 0], 1)
+    with pytest.raises(ValueError, match="number of heads of key"):  # checked before any rank communicates
+        layer(torch.randn(4, 2, 4, 8), q, q, 1)
+
+
+def test_errors():
+    run_distributed(_errors, world_size=2, timeout=60)
+    with pytest.raises(ValueError, match="scatter_idx and gather_idx must differ"):
+        DistributedAttention(_causal_sdpa(1), None, scatter_idx=0, gather_idx=0)
+
+
+def test_package_surface():
+    import deepspeed.sequence
+    import deepspeed.sequence.layer as layer
+
+    assert deepspeed.sequence.DistributedAttention is layer.DistributedAttention
