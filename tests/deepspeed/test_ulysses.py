@@ -168,3 +168,63 @@ def test_package_surface():
     import deepspeed.sequence.layer as layer
 
     assert deepspeed.sequence.DistributedAttention is layer.DistributedAttention
+
+
+class _SequenceMpu:
+    """2 ranks, one sequence-parallel group of both, data parallelism of 1 (each rank its own data group)."""
+
+    def __init__(self) -> None:
+        self.own = [dist.new_group([r]) for r in range(dist.get_world_size())]
+
+    def get_data_parallel_group(self):
+        return self.own[dist.get_rank()]
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_sequence_parallel_world_size(self):
+        return dist.get_world_size()
+
+    def get_sequence_data_parallel_group(self):
+        return dist.group.WORLD
+
+
+def _engine_training_matches() -> list[float]:
+    """The engine with a sequence mpu sums the sequence ranks' gradients (each rank's loss is its share)."""
+    import deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq, batch, hidden, heads = 8, 2, 16, 4
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(seq, batch, hidden, generator=gen), torch.randn(seq, batch, hidden, generator=gen)
+    torch.manual_seed(2)
+    reference = _Block(hidden, heads, _causal_sdpa(1))
+    sharded = _Block(hidden, heads, None)
+    sharded.load_state_dict(reference.state_dict())
+    sp_attention = DistributedAttention(_causal_sdpa(1), dist.group.WORLD)
+    sharded.attention = lambda q, k, v: sp_attention(q, k, v, 1)
+    expected = _train(reference, x, target, x.numel(), None)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed.initialize(model=sharded, config=cfg, mpu=_SequenceMpu())
+    xs, ts = x.chunk(world)[rank], target.chunk(world)[rank]
+    got = []
+    for _ in range(3):
+        loss = ((engine(xs) - ts) ** 2).sum() / x.numel()
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        got.append(total.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOL)
+    for name, p in engine.module.named_parameters():
+        torch.testing.assert_close(p, reference.state_dict()[name], **TOL, msg=name)
+    return got
+
+
+def test_engine_reduces_gradients_over_the_sequence_group():
+    losses = run_distributed(_engine_training_matches, world_size=2, timeout=60)
+    assert losses[0] == losses[1]

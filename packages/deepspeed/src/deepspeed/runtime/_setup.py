@@ -41,6 +41,7 @@ class StageInputs:
     dp_world_size: int
     scheduler: Any = None  # ZeRO-3: the partitioned model's gather/release scheduler
     mpu: Any = None
+    reduce_group: Any = None  # stage 0: the group gradients are reduced over (sequence x data); None: dp_group
 
 
 StageBuilder = Callable[[StageInputs], tuple[OptimizerWrapper, GradientReducer]]
@@ -162,7 +163,8 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
         from deepspeed.runtime.fp16.onebit._engine import attach  # (DeepSpeed: enable_backward_allreduce=False)
 
         return wrapper, attach(inputs.basic_optimizer, wrapper, inputs.dp_group)
-    options = reduce_options(config, inputs.params, inputs.dp_group, inputs.dp_world_size)
+    group = inputs.dp_group if inputs.reduce_group is None else inputs.reduce_group
+    options = reduce_options(config, inputs.params, group, inputs.dp_world_size)  # averaged over data parallelism
     if any(getattr(p, "allreduce", True) is False for p in inputs.params):  # MoE experts: their own groups
         from deepspeed.runtime import _moe_setup
 

@@ -69,7 +69,11 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         elif self.has_moe_layers:
             _moe_setup.broadcast_module(self.module, self.dp_group)
         else:
-            _setup.broadcast_module(self.module, self.dp_group)
+            _setup.broadcast_module(self.module, self.seq_dp_group)
+        if self.sequence_parallel_size > 1 and (config.zero_stage > 0 or self.has_moe_layers):
+            raise ConfigError(ConfigProblem("zero_optimization.stage", "sequence parallelism trains with ZeRO stage 0 "
+                                            "and without MoE layers in this version; accepted: 0",
+                                            config.zero_stage))
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
         self._released: str | None = None  # why this engine may no longer train (see _release)
@@ -115,6 +119,13 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.dp_group = dp_group
         distributed = dist.is_available() and dist.is_initialized()
         self.dp_world_size = dist.get_world_size(dp_group) if distributed else 1
+        # sequence parallelism (an mpu with a sequence axis, DeepSpeed-Ulysses): gradients are summed over the
+        # sequence ranks and averaged over data parallelism, in one reduction over the sequence-data group
+        sp = int(mpu.get_sequence_parallel_world_size()) if hasattr(mpu, "get_sequence_parallel_world_size") else 1
+        self.sequence_parallel_size = sp
+        self.seq_dp_group = mpu.get_sequence_data_parallel_group() if sp > 1 else dp_group
+        self.seq_dp_world_size = dist.get_world_size(self.seq_dp_group) if distributed and sp > 1 \
+            else self.dp_world_size
         self.global_rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -139,7 +150,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
         trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
-                                    self.dp_world_size, scheduler=self.zero3_scheduler, mpu=self.mpu)
+                                    self.dp_world_size, scheduler=self.zero3_scheduler, mpu=self.mpu,
+                                    reduce_group=self.seq_dp_group)
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
@@ -313,7 +325,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
             return False
         if self.reducer.every_micro_step:
             return True
-        return self.dp_world_size > 1 and self.is_gradient_accumulation_boundary()
+        return self.seq_dp_world_size > 1 and self.is_gradient_accumulation_boundary()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
