@@ -800,3 +800,14 @@ def test_engine_passes_curriculum_seqlen():
                                      "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 8}})
     assert seen[:6] == [reference.get_difficulty(step) for step in range(1, 7)] and seen[-1] is None
     assert seen[0] < seen[3] <= 64 and seen[5] == 64
+
+
+def test_random_ltd_bad_settings_name_the_key_and_what_is_accepted():
+    layer = RandomLayerTokenDrop(torch.nn.Linear(4, 4))
+    sched = RandomLTDScheduler(_ltd(2, 8))
+    with pytest.raises(ValueError, match=r"hidden_state_order='sideways': accepted: batch_seq_dim, seq_batch_dim"):
+        layer.init_config(_ltd(2, 8, order="sideways"), sched, 0)
+    with pytest.raises(ValueError, match=r"model_type='vision': accepted: encoder, decoder"):
+        layer.init_config(_ltd(2, 8, model_type="vision"), sched, 0)
+    with pytest.raises(ValueError, match=r"layer_token_lr_schedule.enabled=True.*accepted: false"):
+        RandomLTDScheduler({**LTD_CONFIG, "layer_token_lr_schedule": {"enabled": True}})

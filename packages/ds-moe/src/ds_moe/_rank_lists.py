@@ -63,7 +63,8 @@ def expert_and_data_parallel_ranks(world_size: int, ep_size: int, pp_size: int =
     if mp_size <= 1:
         return _legacy_layout(world_size, ep_size, stride, use_data_before_expert_parallel_)
     if use_data_before_expert_parallel_:
-        raise NotImplementedError("use_data_before_expert_parallel_ is not supported with mp_size > 1")
+        raise ValueError(f"use_data_before_expert_parallel_=True with mp_size={mp_size}: DeepSpeed's data-before-"
+                         "expert layout exists without model parallelism only; accepted: False, or mp_size 1")
     if mp_mode not in MP_MODES:
         raise ValueError(f"mp_mode must be one of {MP_MODES}, got {mp_mode!r}")
     if stride % mp_size:

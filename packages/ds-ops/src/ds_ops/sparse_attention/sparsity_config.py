@@ -17,7 +17,8 @@ _ATTENTIONS = ("unidirectional", "bidirectional")
 
 def _check_attention(attention: str) -> str:
     if attention not in _ATTENTIONS:
-        raise NotImplementedError('only "uni/bi-directional" attentions are supported for now!')
+        raise ValueError(f"attention={attention!r}: accepted: {', '.join(_ATTENTIONS)} (only \"uni/bi-directional\" "
+                         "attentions are supported)")
     return attention
 
 

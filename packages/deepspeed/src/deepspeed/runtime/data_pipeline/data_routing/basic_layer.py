@@ -47,10 +47,10 @@ class RandomLayerTokenDrop(Module):
         config = as_plain_dict(config)
         hs_order, model_type = config.get(C.RANDOM_LTD_HIDDEN_STATE_ORDER), config.get(C.RANDOM_LTD_MODEL_TYPE)
         if hs_order not in _ORDERS:
-            raise NotImplementedError(f"random-LTD hidden_state_order {hs_order!r}: use batch_seq_dim or "
-                                      "seq_batch_dim")
+            raise ValueError(f"random_ltd.{C.RANDOM_LTD_HIDDEN_STATE_ORDER}={hs_order!r}: accepted: "
+                             f"{', '.join(_ORDERS)}")
         if model_type not in _SAMPLERS:
-            raise NotImplementedError(f"random-LTD model_type {model_type!r}: use encoder or decoder")
+            raise ValueError(f"random_ltd.{C.RANDOM_LTD_MODEL_TYPE}={model_type!r}: accepted: {', '.join(_SAMPLERS)}")
         self.random_ltd_scheduler = scheduler
         self.random_ltd_layer_id = random_ltd_layer_id
         self.max_length = scheduler.state[C.RANDOM_LTD_MAX_VALUE]
@@ -91,5 +91,5 @@ class RandomLayerTokenDrop(Module):
         if isinstance(outputs, tuple):
             merged = scatter_tokens(hidden_states, outputs[0], layer_indices, self.batch_first)
             return (merged, *outputs[1:])
-        raise NotImplementedError(f"random-LTD supports layers returning a Tensor or a tuple, got "
-                                  f"{type(outputs).__name__}; adapt the layer's output")
+        raise TypeError(f"random-LTD wraps layers returning a Tensor or a tuple, got {type(outputs).__name__}; "
+                        "adapt the layer's output")

@@ -58,8 +58,8 @@ class RandomLTDScheduler(BaseScheduler):
         self.config_schedule = schedule
         self.global_batch_size = config[C.RANDOM_LTD_GLOBAL_BATCH_SIZE]
         if (config.get(C.RANDOM_LTD_LAYER_TOKEN_LR_SCHEDULE) or {}).get(C.RANDOM_LTD_LAYER_TOKEN_LR_ENABLED):
-            raise NotImplementedError("random_ltd.layer_token_lr_schedule is work in progress in DeepSpeed too; "
-                                      "set layer_token_lr_schedule.enabled to false")
+            raise ValueError("random_ltd.layer_token_lr_schedule.enabled=True: the layer-token LR schedule is "
+                             "unfinished in DeepSpeed too; accepted: false")
         self.reset_to_init()
 
     def reset_to_init(self) -> None:
