@@ -67,6 +67,7 @@ if TESTS_DIR not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _common import paired  # noqa: E402 - benchmarks/ is on the path when this script runs
 from _harness import run_distributed, shutdown_pool  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -308,13 +309,9 @@ def _load() -> float:
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
-def _paired(num: list[float], den: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
-
-
 def _ratio(num: list[float], den: list[float]) -> str:
     """num / den as the ratio of medians (the median of per-repetition ratios)."""
-    return f"{statistics.median(num) / statistics.median(den):.3f}x ({_paired(num, den):.3f}x)"
+    return f"{statistics.median(num) / statistics.median(den):.3f}x ({paired(num, den):.3f}x)"
 
 
 def report(args: argparse.Namespace, results: dict) -> str:
@@ -345,7 +342,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
                     med = statistics.median(wall[key])
                     moe = key != "dense"
                     cell = _ratio(wall["dense"], wall[key]) if moe else "1"
-                    cpu_cell = f"{_paired(cpu['dense'], cpu[key]):.3f}x" if moe else "1"
+                    cpu_cell = f"{paired(cpu['dense'], cpu[key]):.3f}x" if moe else "1"
                     kept = f"{r0['kept'][k]:.3f}" if moe else ""
                     lines.append(f"{world:>5} | {k:>1} | {label:<44} | {med * 1e3:8.1f} | {total / med:9.0f} | "
                                  f"{cell:>27} | {cpu_cell:>10} | {kept:>5}")
@@ -368,7 +365,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
             lines.append(f"{row['tokens']:>6} x {row['experts']:>2} | {row['k']:>1} | {row['capacity']:>5} | "
                          f"{dense_mib:11.0f} | {med['einsum']:8.1f} | {med['indexed']:8.1f} | {med['experts']:8.1f} | "
                          f"{_ratio(wall['einsum'], wall['indexed']):>23} | "
-                         f"{_paired(cpu['einsum'], cpu['indexed']):9.3f}x | {overhead:>25} | {peak:>20} | "
+                         f"{paired(cpu['einsum'], cpu['indexed']):9.3f}x | {overhead:>25} | {peak:>20} | "
                          f"{row['diff']:10.2e}")
     return "\n".join(lines)
 

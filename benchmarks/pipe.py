@@ -84,6 +84,7 @@ if TESTS_DIR not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _common import paired  # noqa: E402 - benchmarks/ is on the path when this script runs
 from _harness import run_distributed, shutdown_pool  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -539,8 +540,8 @@ def report(args: argparse.Namespace, results: dict) -> str:
         for label, layout, key in rows:
             cells = []
             for base in ("dp", "dp1"):
-                paired = statistics.median(a / b for a, b in zip(t[key], t[base], strict=True))
-                cells.append(f"{med[key] / med[base]:.3f}x ({paired:.3f}x)")
+                ratio = paired(t[key], t[base])
+                cells.append(f"{med[key] / med[base]:.3f}x ({ratio:.3f}x)")
             lines.append(f"{label:<30} | {layout:<24} | {med[key]:8.1f} | {samples / med[key] * 1e3:9.0f} | "
                          f"{cells[0]:>21} | {cells[1]:>20}")
         lines.append("   * SendActivation right after ForwardPass (EagerSend1F1B, this script) instead of after the "

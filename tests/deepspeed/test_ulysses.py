@@ -118,8 +118,8 @@ def _train(model, x, target, total: int, group) -> list[float]:
     return losses
 
 
-def _block_training_matches() -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _blocks() -> tuple[torch.Tensor, torch.Tensor, _Block, _Block]:
+    """Data, a one-rank block and its copy whose attention runs Ulysses over the world."""
     seq, batch, hidden, heads = 8, 2, 16, 4
     gen = torch.Generator().manual_seed(1)
     x, target = torch.randn(seq, batch, hidden, generator=gen), torch.randn(seq, batch, hidden, generator=gen)
@@ -129,7 +129,12 @@ def _block_training_matches() -> list[float]:
     sharded.load_state_dict(reference.state_dict())
     sp_attention = DistributedAttention(_causal_sdpa(1), dist.group.WORLD)
     sharded.attention = lambda q, k, v: sp_attention(q, k, v, 1)
+    return x, target, reference, sharded
 
+
+def _block_training_matches() -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, target, reference, sharded = _blocks()
     expected = _train(reference, x, target, x.numel(), None)
     got = _train(sharded, x.chunk(world)[rank], target.chunk(world)[rank], x.numel(), dist.group.WORLD)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOL)
@@ -197,15 +202,7 @@ def _engine_training_matches() -> list[float]:
     import deepspeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    seq, batch, hidden, heads = 8, 2, 16, 4
-    gen = torch.Generator().manual_seed(1)
-    x, target = torch.randn(seq, batch, hidden, generator=gen), torch.randn(seq, batch, hidden, generator=gen)
-    torch.manual_seed(2)
-    reference = _Block(hidden, heads, _causal_sdpa(1))
-    sharded = _Block(hidden, heads, None)
-    sharded.load_state_dict(reference.state_dict())
-    sp_attention = DistributedAttention(_causal_sdpa(1), dist.group.WORLD)
-    sharded.attention = lambda q, k, v: sp_attention(q, k, v, 1)
+    x, target, reference, sharded = _blocks()
     expected = _train(reference, x, target, x.numel(), None)
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
