@@ -155,8 +155,9 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    print(f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} sum={t.item():g} "
-          f"restarts={os.environ['TORCHELASTIC_MAX_RESTARTS']} args={sys.argv[1:]}", flush=True)
+    # one write(2) per line: the two ranks share the pipe, and print() writes text and newline separately
+    os.write(1, (f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} sum={t.item():g} "
+                 f"restarts={os.environ['TORCHELASTIC_MAX_RESTARTS']} args={sys.argv[1:]}\\n").encode())
     dist.destroy_process_group()
 """)
 
