@@ -1,0 +1,265 @@
+"""Compression-aware layers: drop-in subclasses of ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` and
+``nn.BatchNorm2d`` that apply the configured quantization and pruning in ``forward``, and shrink themselves in
+``redundancy_clean`` (``fix_*_helper``). ``init_compression`` converts a model's layers to these classes in place,
+so parameters (and weight tying) are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from deepspeed.compression._mixin import (
+    CompressionMixin,
+    _kaiming_scores,
+    as_bool,
+    output_mask,
+    replace_parameter,
+)
+from deepspeed.compression.utils import SYMMETRIC, quantize_asymmetric, quantize_symmetric
+
+
+class QuantAct(nn.Module):
+    """Static activation quantization: one range for all tokens/images, tracked with momentum
+    ``act_range_momentum`` in training and fixed in eval (fast inference, some accuracy cost)."""
+
+    def __init__(self, act_range_momentum: float = 0.95, quant_mode: str = SYMMETRIC) -> None:
+        super().__init__()
+        self.act_range_momentum = act_range_momentum
+        self.quant_mode = quant_mode
+        self.register_buffer("x_min_max", torch.zeros(2))
+
+    @torch.no_grad()
+    def _track(self, x: torch.Tensor) -> None:
+        lo, hi = x.detach().min().float(), x.detach().max().float()
+        if self.x_min_max[0] == self.x_min_max[1]:  # first batch: start from its range
+            self.x_min_max[0], self.x_min_max[1] = lo, hi
+        m = self.act_range_momentum
+        self.x_min_max[0] = self.x_min_max[0] * m + lo * (1 - m)
+        self.x_min_max[1] = self.x_min_max[1] * m + hi * (1 - m)
+
+    def forward(self, x: torch.Tensor, num_bits: int, *args: object) -> torch.Tensor:
+        # an uncalibrated range would quantize everything to 0: calibrate on the first batch even in eval
+        if self.training or self.x_min_max[0] == self.x_min_max[1]:
+            self._track(x)
+        lo, hi = self.x_min_max[0], self.x_min_max[1]
+        if self.quant_mode == SYMMETRIC:
+            q = quantize_symmetric(x, num_bits, 1, max_abs=torch.maximum(lo.abs(), hi.abs()))
+        else:
+            q = quantize_asymmetric(x, num_bits, 1, min_max=(lo, hi))
+        return x + (q - x).detach()  # straight-through gradient
+
+
+class LinearLayer_Compress(CompressionMixin, nn.Linear):  # DeepSpeed's class name
+    """``nn.Linear`` with weight/activation quantization, sparse, row and head pruning."""
+
+    def __init__(self, *args: object, bias: bool = True, **kwargs: object) -> None:
+        super().__init__(*args, bias=bias, **kwargs)
+        self.init_compression_state()
+
+    def init_compression_state(self) -> None:
+        super().init_compression_state()
+        self.row_pruning_method: str | None = None
+        self.row_pruning_enabled = False
+        self.head_pruning_method: str | None = None
+        self.head_pruning_enabled = False
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, {self.compression_repr()}, row_pruning={self.row_pruning_method}, "
+                f"head_pruning={self.head_pruning_method}")
+
+    def enable_row_pruning(self, ratio: float, method: str) -> None:
+        """Keep the ``ratio`` share of output rows (``l1``: largest row L1 norms; ``topk``: learned scores)."""
+        self._enable_pruning("row", ratio, method)
+
+    def enable_head_pruning(self, ratio: float, method: str, num_heads: int) -> None:
+        """Keep the ``ratio`` share of the ``num_heads`` attention heads feeding this output projection (its input
+        columns, one block per head); learned scores (``topk`` only)."""
+        if method != "topk":
+            raise ValueError(f"head pruning: method {method!r} is not supported; accepted: ('topk',)")
+        if self.in_features % num_heads:
+            raise ValueError(f"head pruning: num_heads={num_heads} must divide in_features={self.in_features}")
+        self.num_heads = num_heads
+        self.head_pruning_ratio = ratio
+        self.head_pruning_method = method
+        self.head_pruning_enabled = False
+        self.head_pruning_scores = _kaiming_scores((1, num_heads), self.weight)
+
+    def _head_columns(self, head_mask: torch.Tensor) -> torch.Tensor:
+        return head_mask.reshape(-1).repeat_interleave(self.in_features // self.num_heads)
+
+    def forward(self, input: torch.Tensor, skip_bias_add: bool = False):
+        weight, bias = self.compressed_weight(), self.bias
+        if self.row_pruning_enabled and self.row_pruning_method:
+            mask = self.get_mask("row")
+            weight = weight * output_mask(mask, weight)
+            bias = bias * mask.reshape(-1) if bias is not None else None
+        if self.head_pruning_enabled and self.head_pruning_method:
+            weight = weight * self._head_columns(self.get_mask("head")).unsqueeze(0)
+        input = self.quantize_input(input)
+        if skip_bias_add:  # model-parallel linears hand the bias back to the caller
+            return F.linear(input, weight, None), bias
+        return F.linear(input, weight, bias)
+
+    @torch.no_grad()
+    def fix_row_col_pruning_helper(self, mask: torch.Tensor | None = None, dim_reduction: bool = False):
+        """Without ``mask``: bake this layer's row pruning in (remove the rows with ``dim_reduction``, else zero
+        them) and return the kept-row mask. With ``mask`` (the previous layer's rows): remove those input columns."""
+        if mask is not None:
+            keep = as_bool(mask)
+            if keep.numel() != self.in_features:
+                raise ValueError(f"related module has in_features={self.in_features} but the pruned layer has "
+                                 f"{keep.numel()} rows")
+            replace_parameter(self, "weight", self.weight[:, keep])
+            self.in_features = self.weight.shape[1]
+            return None
+        keep = as_bool(self.get_mask("row"))
+        if dim_reduction:
+            replace_parameter(self, "weight", self.weight[keep])
+            if self.bias is not None:
+                replace_parameter(self, "bias", self.bias[keep])
+            self.out_features = self.weight.shape[0]
+        else:
+            self.weight.data.mul_(output_mask(keep, self.weight).to(self.weight.dtype))
+            if self.bias is not None:
+                self.bias.data.mul_(keep.to(self.bias.dtype))
+        self._drop_pruning_state("row")
+        return keep
+
+    @torch.no_grad()
+    def fix_head_pruning_helper(self, mask: torch.Tensor | None = None, num_heads: int | None = None,
+                                dim_reduction: bool = False):
+        """Without ``mask`` (the output projection): remove (or zero) the input columns of pruned heads and return
+        the kept-head mask. With ``mask`` (Q/K/V): remove the output rows of the pruned heads."""
+        if mask is not None:
+            keep = as_bool(mask)
+            heads = num_heads or keep.numel()
+            if self.out_features % heads:
+                raise ValueError(f"head pruning: num_heads={heads} must divide the related module's "
+                                 f"out_features={self.out_features}")
+            rows = keep.repeat_interleave(self.out_features // heads)
+            replace_parameter(self, "weight", self.weight[rows])
+            if self.bias is not None:
+                replace_parameter(self, "bias", self.bias[rows])
+            self.out_features = self.weight.shape[0]
+            return None
+        keep = as_bool(self.get_mask("head"))
+        cols = self._head_columns(keep)
+        if dim_reduction:
+            replace_parameter(self, "weight", self.weight[:, cols])
+            self.in_features = self.weight.shape[1]
+        else:
+            self.weight.data.mul_(cols.to(self.weight.dtype).unsqueeze(0))
+        self._drop_pruning_state("head")
+        return keep
+
+
+class Conv2dLayer_Compress(CompressionMixin, nn.Conv2d):  # DeepSpeed's class name
+    """``nn.Conv2d`` with weight/activation quantization, sparse and channel (output filter) pruning."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.init_compression_state()
+
+    def init_compression_state(self) -> None:
+        super().init_compression_state()
+        self.channel_pruning_method: str | None = None
+        self.channel_pruning_enabled = False
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.compression_repr()}, channel_pruning={self.channel_pruning_method}"
+
+    def enable_channel_pruning(self, ratio: float, method: str) -> None:
+        """Keep the ``ratio`` share of output channels (``l1``: largest filter L1 norms; ``topk``: learned)."""
+        self._enable_pruning("channel", ratio, method)
+
+    def _activation_groups(self, x: torch.Tensor) -> int:
+        return x.shape[0] if x.dim() == 4 else 1  # one range per image
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.compressed_weight(), self.bias
+        if self.channel_pruning_enabled and self.channel_pruning_method:
+            mask = self.get_mask("channel")
+            weight = weight * output_mask(mask, weight)
+            bias = bias * mask.reshape(-1) if bias is not None else None
+        return self._conv_forward(self.quantize_input(input), weight, bias)
+
+    @torch.no_grad()
+    def fix_channel_pruning_helper(self, mask: torch.Tensor | None = None, dim_reduction: bool = False):
+        """Without ``mask``: bake this layer's channel pruning in (remove the filters with ``dim_reduction``, else
+        zero them), return the kept-channel mask. With ``mask``: remove those input channels."""
+        if mask is not None:
+            keep = as_bool(mask)
+            if self.groups != 1 or keep.numel() != self.in_channels:
+                raise ValueError(f"channel pruning: the related Conv2d (in_channels={self.in_channels}, "
+                                 f"groups={self.groups}) cannot drop input channels of a {keep.numel()}-channel "
+                                 "layer; related convolutions need groups=1 and matching channels")
+            replace_parameter(self, "weight", self.weight[:, keep])
+            self.in_channels = self.weight.shape[1]
+            return None
+        keep = as_bool(self.get_mask("channel"))
+        if dim_reduction:
+            if self.groups != 1:
+                raise ValueError(f"channel pruning with related modules needs groups=1, got groups={self.groups}")
+            replace_parameter(self, "weight", self.weight[keep])
+            if self.bias is not None:
+                replace_parameter(self, "bias", self.bias[keep])
+            self.out_channels = self.weight.shape[0]
+        else:
+            self.weight.data.mul_(output_mask(keep, self.weight).to(self.weight.dtype))
+            if self.bias is not None:
+                self.bias.data.mul_(keep.to(self.bias.dtype))
+        self._drop_pruning_state("channel")
+        return keep
+
+
+class Embedding_Compress(CompressionMixin, nn.Embedding):  # DeepSpeed's class name
+    """``nn.Embedding`` with weight quantization (one scale per token row, as DeepSpeed does)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.init_compression_state()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight_quantization={self.weight_quantize_bits}"
+
+    def enable_weight_quantization(self, start_bits: int, target_bits: int, quantization_period: int,
+                                   weight_quantization_enabled_in_forward: bool, quantization_type: str,
+                                   num_groups: int, rounding: str = "nearest") -> None:
+        # token-wise groups whatever quantize_groups says: rows of an embedding have very different ranges
+        super().enable_weight_quantization(start_bits, target_bits, quantization_period,
+                                           weight_quantization_enabled_in_forward, quantization_type,
+                                           self.num_embeddings, rounding)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input, self.compressed_weight(), self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+
+class BNLayer_Compress(nn.BatchNorm2d):  # DeepSpeed's class name
+    """``nn.BatchNorm2d`` that follows the channel pruning of the convolution before it."""
+
+    @torch.no_grad()
+    def fix_channel_pruning_helper(self, mask: torch.Tensor, dim_reduction: bool = True) -> None:
+        """Keep the statistics and affine parameters of the channels in ``mask`` only."""
+        keep = as_bool(mask)
+        if keep.numel() != self.num_features:
+            raise ValueError(f"channel pruning: BatchNorm2d has {self.num_features} features but the pruned "
+                             f"convolution has {keep.numel()} channels")
+        if self.affine:
+            replace_parameter(self, "weight", self.weight[keep])
+            replace_parameter(self, "bias", self.bias[keep])
+        if self.track_running_stats:
+            self.running_mean = self.running_mean[keep].clone()
+            self.running_var = self.running_var[keep].clone()
+        self.num_features = int(keep.sum())
+
+
+COMPRESS_CLASSES: tuple[tuple[type[nn.Module], type[nn.Module]], ...] = (
+    (nn.Linear, LinearLayer_Compress),
+    (nn.Conv2d, Conv2dLayer_Compress),
+    (nn.Embedding, Embedding_Compress),
+    (nn.BatchNorm2d, BNLayer_Compress),
+)
+"""Plain layer type -> its compression-aware subclass."""
