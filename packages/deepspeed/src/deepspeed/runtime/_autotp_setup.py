@@ -1,0 +1,245 @@
+"""AutoTP training glue: ``tensor_parallel.autotp_size`` shards the model at ``deepspeed.initialize``.
+
+Groups: ``autotp_size`` consecutive ranks form a tensor-parallel group, ranks at the same position in their
+groups a data-parallel group (data parallel = world / autotp_size); they are registered as the mpu so
+``deepspeed.utils.groups``, ZeRO (reduces over the data-parallel group) and gradient clipping (norm summed over
+the tensor group, replicated parameters counted once) all see them. Layer rules, by priority:
+``partition_config`` > the model's Hugging Face ``base_model_tp_plan`` > ``preset_model`` / AutoTP heuristics.
+Checkpoints keep full (gathered) weights in the model states, so they load into a model without TP.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_config import ConfigError, ConfigProblem
+from ds_inference.autotp import (
+    AutoTPPresets,
+    TPLayerSpec,
+    autotp_shard,
+    full_state_dict,
+    hf_tp_plan_specs,
+    set_autotp_mode,
+    tp_layers,
+)
+from ds_inference.autotp._sharding import ShardLayout
+
+_RECORDED: dict[str, Any] = {}  # tp_model_init's arguments, merged with the config at initialize()
+
+
+class AutoTPGroups:
+    """The mpu of AutoTP training: tensor groups of ``tp_size`` consecutive ranks, data groups across them."""
+
+    def __init__(self, tp_size: int) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % tp_size:
+            raise ConfigError(ConfigProblem("tensor_parallel.autotp_size", f"must divide the world size ({world})",
+                                            tp_size))
+        self.tp, self.dp, self._rank = tp_size, world // tp_size, rank
+        tensor = [dist.new_group(list(range(b * tp_size, (b + 1) * tp_size))) for b in range(self.dp)]
+        data = [dist.new_group(list(range(i, world, tp_size))) for i in range(tp_size)]  # collective: all ranks
+        self._tensor, self._data = tensor[rank // tp_size], data[rank % tp_size]
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self._tensor
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._rank % self.tp
+
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+
+    def get_data_parallel_group(self) -> Any:
+        return self._data
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self._rank // self.tp
+
+
+def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None,
+                  **kwargs: Any) -> torch.nn.Module:
+    """Record AutoTP arguments for the next ``deepspeed.initialize`` (which shards; kept for old scripts):
+    ``tp_size`` must agree with ``tensor_parallel.autotp_size`` when the config sets it; ``tp_group=`` (keyword)
+    gives the tensor-parallel group. Returns ``model`` unchanged."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size must be a positive int, got {tp_size!r}")
+    unknown = set(kwargs) - {"tp_group"}
+    if unknown:
+        raise TypeError(f"tp_model_init: unexpected keyword arguments {sorted(unknown)}; accepted: tp_group")
+    new = {"tp_size": tp_size, "dtype": dtype, "tp_group": kwargs.get("tp_group")}
+    if _RECORDED and (_RECORDED["tp_size"], _RECORDED["dtype"]) != (tp_size, dtype):
+        raise ValueError(f"tp_model_init: conflicting calls (tp_size={_RECORDED['tp_size']}, "
+                         f"dtype={_RECORDED['dtype']} then tp_size={tp_size}, dtype={dtype})")
+    _RECORDED.update(new)
+    set_autotp_mode(training=True)
+    return model
+
+
+def _tp_size(section: Any, mpu: Any) -> int:
+    size = section.autotp_size if section.autotp_size > 1 else 0
+    recorded = _RECORDED.get("tp_size")
+    if recorded is not None and size and recorded != size:
+        raise ConfigError(ConfigProblem("tensor_parallel.autotp_size", f"tp_model_init was called with tp_size="
+                                        f"{recorded}; accepted: {recorded}", size))
+    if recorded is not None and _RECORDED.get("tp_group") is not None and mpu is not None:
+        raise ValueError("deepspeed.initialize: tp_model_init gave a tp_group, so mpu must not be passed as well")
+    return size or recorded or 0
+
+
+_PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _check_recorded_dtype(config: Any) -> None:
+    """``tp_model_init(dtype=...)`` must agree with the config's training precision."""
+    recorded = _RECORDED.get("dtype")
+    if recorded is not None and recorded != _PRECISIONS[config.precision]:
+        raise ConfigError(ConfigProblem("fp16/bf16", f"tp_model_init was called with dtype={recorded}, the config "
+                                        f"trains in {config.precision}; make them agree", config.precision))
+
+
+def _groups(tp_size: int, mpu: Any) -> Any:
+    if mpu is None and _RECORDED.get("tp_group") is None:
+        return AutoTPGroups(tp_size)
+    group = _RECORDED.get("tp_group") or mpu.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) != tp_size:
+        raise ConfigError(ConfigProblem("tensor_parallel.autotp_size", f"the given tensor-parallel group has "
+                                        f"{dist.get_world_size(group)} ranks", tp_size))
+    return mpu if mpu is not None else _GroupMpu(group)
+
+
+class _GroupMpu(AutoTPGroups):
+    """The mpu of a tensor group passed to ``tp_model_init``: data parallel across the groups of that size."""
+
+    def __init__(self, group: Any) -> None:  # not super().__init__: the tensor group is given
+        self._tensor, self.tp = group, dist.get_world_size(group)
+        self._rank, self.dp = dist.get_rank(), dist.get_world_size() // self.tp
+        self._data = AutoTPGroups(self.tp)._data
+
+
+def layer_specs(model: torch.nn.Module, section: Any) -> list[TPLayerSpec] | None:
+    """The rules by the documented priority (None: AutoTP heuristics)."""
+    config = getattr(model, "config", None)
+    preset_name = section.preset_model
+    preset = AutoTPPresets.get_preset(preset_name) if preset_name else None
+    custom = section.partition_config
+    if custom is not None:
+        specs = [TPLayerSpec(patterns=list(s.patterns), partition_type=s.partition_type, shape=s.shape,
+                             partition_dim=s.partition_dim, model_types=s.model_types) for s in custom.layer_specs]
+        if custom.use_default_specs:
+            base = preset or AutoTPPresets.get_preset(str(getattr(config, "model_type", "")))
+            specs += base.layer_specs if base is not None else []
+        return specs
+    plan = getattr(config, "base_model_tp_plan", None) or getattr(model, "_tp_plan", None)
+    try:
+        from_hf = hf_tp_plan_specs(plan)
+    except ValueError as exc:
+        raise ConfigError(ConfigProblem("tensor_parallel.partition_config", str(exc), None)) from None
+    if from_hf is not None:
+        return from_hf
+    return preset.layer_specs if preset is not None else None
+
+
+def _remap(params: Any, renamed: Mapping[int, torch.nn.Parameter]) -> Any:
+    return [renamed.get(id(p), p) for p in params]
+
+
+def apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any, Any]:
+    """Shard ``model`` when the config (or ``tp_model_init``) asks for AutoTP; returns the mpu to use and the
+    parameter list / client optimizer pointed at the sharded tensors."""
+    section = config.tensor_parallel
+    tp_size = _tp_size(section, mpu)
+    if tp_size <= 1:
+        return mpu, model_parameters, optimizer
+    _check_recorded_dtype(config)
+    if config.zero_stage == 3:
+        raise ConfigError(ConfigProblem("zero_optimization.stage", "AutoTP training (tensor_parallel.autotp_size > "
+                                        "1) supports ZeRO stages 0, 1 and 2; accepted: 0, 1, 2", 3))
+    if config.expert_parallel.enabled:
+        raise ConfigError(ConfigProblem("expert_parallel.enabled", "AutoEP cannot be combined with AutoTP "
+                                        "(tensor_parallel.autotp_size > 1)", True))
+    if config.checkpoint.use_node_local_storage:
+        raise ConfigError(ConfigProblem("checkpoint.use_node_local_storage", "AutoTP checkpoints gather the full "
+                                        "weights over each tensor group, which needs every rank of the first group "
+                                        "to write; accepted: false", True))
+    if section.tp.tp_size > 1 and section.tp.tp_size != tp_size:
+        raise ConfigError(ConfigProblem("tensor_parallel.tp.tp_size", f"differs from tensor_parallel.autotp_size "
+                                        f"({tp_size}); accepted: {tp_size} (or leave it unset)", section.tp.tp_size))
+    if section.replace_with_kernel_inject:
+        warnings.warn("tensor_parallel.replace_with_kernel_inject: fused kernels are not available in this "
+                      "version; AutoTP trains with plain torch layers", UserWarning, stacklevel=3)
+    mpu = _groups(tp_size, mpu)
+    set_autotp_mode(training=True)
+    before = dict(model.named_parameters())
+    autotp_shard(model, mpu.get_tensor_model_parallel_group(), layer_specs=layer_specs(model, section),
+                 tp_grain_size=section.tp.tp_grain_size, keep_module_on_host=True)
+    after = dict(model.named_parameters())
+    renamed = {id(p): after[n] for n, p in before.items() if n in after and after[n] is not p}
+    if isinstance(model_parameters, (list, tuple)):
+        model_parameters = _remap(model_parameters, renamed)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = _remap(group["params"], renamed)
+    _RECORDED.clear()
+    return mpu, model_parameters, optimizer
+
+
+class AutoTPCheckpointShards:
+    """Checkpoint extension: the model states hold full weights (gathered over the tensor group at save, each
+    rank's shard cut out again at load), so ``mp_rank_00_model_states.pt`` loads into a model without TP."""
+
+    owns_optimizer_state = False
+    owns_module_state = False
+
+    def __init__(self, module: torch.nn.Module, tp_size: int) -> None:
+        self.module, self.tp_size = module, tp_size
+
+    def model_state_extras(self) -> dict[str, Any]:
+        return {"autotp_size": self.tp_size}
+
+    def strip_module_state(self, weights: dict[str, Any]) -> dict[str, Any]:
+        weights = dict(weights)
+        for name, layer in tp_layers(self.module).items():  # collective over the tensor group
+            for pname, full in layer.gather_params().items():
+                if f"{name}.{pname}" in weights:
+                    weights[f"{name}.{pname}"] = full.cpu()
+        return weights
+
+    def complete_module_state(self, weights: dict[str, Any], load: Callable[[str], Any]) -> dict[str, Any]:
+        for name, layer in tp_layers(self.module).items():
+            for pname, dim in layer.partition_dims().items():
+                key = f"{name}.{pname}"
+                if dim is not None and key in weights:
+                    layout: ShardLayout = layer._tp_layouts[pname]
+                    weights[key] = layout.take(weights[key], layer.tp_index, dim)
+        return weights
+
+    def files_to_save(self, ctx: Any) -> dict[str, Any]:
+        return {}
+
+    def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        return None
+
+
+def full_module_state(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The module's state dict with full (gathered) weights when it has AutoTP layers, else None (collective)."""
+    return full_state_dict(module) if tp_layers(module) else None
+
+
+def checkpoint_shards(engine: Any) -> tuple[Any, ...]:
+    """The engine's checkpoint extensions plus AutoTP's when its model is sharded."""
+    shards = tuple(getattr(engine, "checkpoint_shards", ()))
+    if not tp_layers(engine.module):
+        return shards
+    return (*shards, AutoTPCheckpointShards(engine.module, engine.mp_world_size))

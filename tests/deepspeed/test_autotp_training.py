@@ -1,0 +1,184 @@
+"""AutoTP training (spec 2.1.9): ``tensor_parallel.autotp_size: 2`` shards a tiny Llama at ``deepspeed.initialize``
+and trains to the one-rank losses and gradient norms with ZeRO 0/1/2, by the HF tp_plan, the heuristics, a preset
+and a custom ``partition_config``; the stage-3 and unsupported-plan errors; checkpoints with full weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _autotp_models import tiny
+from _harness import run_distributed
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "gradient_clipping": 0.5}
+STEPS = 3
+
+
+def _llama(plan: bool) -> torch.nn.Module:
+    model = tiny("llama").train()
+    if not plan:  # no Hugging Face tp_plan: the config's and the model's (transformers 5 keeps both)
+        model.config.base_model_tp_plan = None
+        model._tp_plan = {}
+    return model
+
+
+def _train(tp_section: dict | None, stage: int, plan: bool = True) -> dict:
+    import deepspeed
+    from deepspeed.utils import groups
+
+    model = _llama(plan)
+    config = {**BASE, "zero_optimization": {"stage": stage}}
+    if tp_section is not None:
+        config["tensor_parallel"] = tp_section
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    generator = torch.Generator().manual_seed(5)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 96, (2, 8), generator=generator)
+        loss = engine(input_ids=tokens, labels=tokens, use_cache=False).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    layer = engine.module.model.layers[0]
+    return {"losses": losses, "norms": norms,
+            "classes": [type(m).__name__ for m in (layer.self_attn.q_proj, layer.mlp.down_proj,
+                                                  engine.module.model.embed_tokens)],
+            "groups": (groups.get_tensor_model_parallel_world_size(), groups.get_data_parallel_world_size())}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return run_distributed(_train, world_size=1, args=(None, 0), timeout=120)[0]
+
+
+def _matches(results: list[dict], reference: dict) -> None:
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert result["norms"] == pytest.approx(reference["norms"], abs=1e-5)
+        assert result["groups"] == (2, 1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_autotp_2_trains_like_one_rank_with_zero(stage, reference):
+    results = run_distributed(_train, world_size=2, args=({"autotp_size": 2}, stage), timeout=120)
+    _matches(results, reference)
+    # the model's base_model_tp_plan (colwise/rowwise) decides: projections sharded, embedding replicated
+    assert results[0]["classes"] == ["LinearLayer", "LinearAllreduce", "Embedding"]
+
+
+def test_heuristics_and_preset_without_a_hf_plan(reference):
+    heuristic = run_distributed(_train, world_size=2, args=({"autotp_size": 2}, 1, False), timeout=120)
+    _matches(heuristic, reference)
+    assert heuristic[0]["classes"] == ["LinearLayer", "LinearAllreduce", "HiddenParallelEmbedding"]
+    preset = run_distributed(_train, world_size=2, args=({"autotp_size": 2, "preset_model": "llama"}, 0, False),
+                             timeout=120)
+    _matches(preset, reference)
+    assert preset[0]["classes"] == ["LinearLayer", "LinearAllreduce", "Embedding"]
+
+
+def test_partition_config_has_the_highest_priority(reference):
+    section = {"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.mlp\.(gate|up)_proj\.weight$"], "partition_type": "column"}]}}
+    results = run_distributed(_train, world_size=2, args=(section, 2), timeout=120)
+    _matches(results, reference)
+    assert results[0]["classes"] == ["Linear", "LinearAllreduce", "Embedding"]  # attention left whole
+
+
+def _errors() -> list[str]:
+    import deepspeed
+    from deepspeed.runtime import _autotp_setup
+    from ds_config import ConfigError
+
+    messages = []
+    with pytest.raises(ConfigError) as stage3:
+        deepspeed.initialize(model=_llama(True), config={**BASE, "zero_optimization": {"stage": 3},
+                                                         "tensor_parallel": {"autotp_size": 2}})
+    messages.append(str(stage3.value))
+    model = _llama(True)
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_gather_output"}
+    with pytest.raises(ConfigError) as plan:
+        deepspeed.initialize(model=model, config={**BASE, "tensor_parallel": {"autotp_size": 2}})
+    messages.append(str(plan.value))
+    deepspeed.tp_model_init(_llama(True), tp_size=4, dtype=torch.float32)
+    with pytest.raises(ConfigError) as conflict:
+        deepspeed.initialize(model=_llama(True), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
+    messages.append(str(conflict.value))
+    _autotp_setup._RECORDED.clear()
+    deepspeed.tp_model_init(_llama(True), tp_size=2, dtype=torch.bfloat16)  # the config trains in fp32
+    with pytest.raises(ConfigError) as dtype:
+        deepspeed.initialize(model=_llama(True), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
+    messages.append(str(dtype.value))
+    _autotp_setup._RECORDED.clear()
+    return messages
+
+
+def test_unsupported_combinations_are_clear_errors():
+    stage3, plan, conflict, dtype = run_distributed(_errors, world_size=2, timeout=120)[0]
+    assert "zero_optimization.stage" in stage3 and "0, 1 and 2" in stage3
+    assert "colwise_gather_output" in plan
+    assert "tp_model_init" in conflict and "autotp_size" in conflict
+    assert "bfloat16" in dtype and "fp32" in dtype
+
+
+def _checkpoint(save_dir: str) -> bool:
+    import torch.distributed as dist
+
+    import deepspeed
+    from ds_inference.autotp import full_state_dict
+
+    deepspeed.set_autotp_mode(training=True)
+    deepspeed.tp_model_init(_llama(False), tp_size=2, dtype=torch.float32)  # the old path, merged with the config
+    engine, *_ = deepspeed.initialize(model=_llama(False), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
+    tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(input_ids=tokens, labels=tokens, use_cache=False).loss)
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    full = full_state_dict(engine.module)
+    saved = torch.load(f"{save_dir}/t/mp_rank_00_model_states.pt", weights_only=False)
+    plain = tiny("llama")
+    plain.load_state_dict(saved["module"])  # full weights: they load into the model without TP
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in full.items())
+    engine.save_16bit_model(save_dir)  # gathered too (written by rank 0)
+    dist.barrier()
+    sixteen = torch.load(f"{save_dir}/pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(sixteen[k], v) for k, v in full.items())
+    fresh, *_ = deepspeed.initialize(model=_llama(False), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
+    fresh.load_checkpoint(save_dir, tag="t")
+    for (name, a), b in zip(engine.module.state_dict().items(), fresh.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    return dist.get_rank() == 0 and saved["autotp_size"] == 2
+
+
+def test_checkpoint_holds_full_weights_and_round_trips(tmp_path):
+    assert run_distributed(_checkpoint, world_size=2, args=(str(tmp_path),), timeout=120)[0]
+
+
+def _data_and_tensor_parallel(tp: int, micro_batch: int) -> dict:
+    """Two steps on a batch of 4 sequences, each data-parallel rank taking its ``micro_batch`` of them."""
+    import torch.distributed as dist
+
+    import deepspeed
+    from ds_inference.autotp import full_state_dict
+
+    config = {**BASE, "train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": {"stage": 1}}
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
+    engine, *_ = deepspeed.initialize(model=_llama(True), config=config)
+    dp_rank = dist.get_rank() // tp
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        tokens = torch.randint(0, 96, (4, 8), generator=generator)[dp_rank * micro_batch:(dp_rank + 1) * micro_batch]
+        engine.backward(engine(input_ids=tokens, labels=tokens, use_cache=False).loss)
+        engine.step()
+    return {k: v.clone() for k, v in (full_state_dict(engine.module) if tp > 1 else engine.module.state_dict()).items()}
+
+
+@pytest.mark.slow
+def test_four_ranks_tensor_and_data_parallel_train_like_one_rank():
+    want = run_distributed(_data_and_tensor_parallel, world_size=1, args=(1, 4), timeout=120)[0]
+    results = run_distributed(_data_and_tensor_parallel, world_size=4, args=(2, 2), timeout=180)
+    for got in results:
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
