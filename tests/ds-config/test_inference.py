@@ -148,3 +148,11 @@ def test_errors_name_the_full_key_path(data, path, words):
 def test_auto_means_default():
     cfg = infer({"dtype": "auto", "replace_method": "auto", "tensor_parallel": {"tp_size": "auto"}})
     assert cfg.dtype is DtypeEnum.fp16 and cfg.replace_method == "auto" and cfg.tensor_parallel.tp_size == 1
+
+
+def test_replace_method_is_deprecated_but_auto_is_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert infer({"replace_method": "auto"}).replace_method == "auto"
+    with pytest.warns(DeprecatedConfigWarning, match="'replace_method' is deprecated.*no longer needed"):
+        assert infer({"replace_method": "layer"}).replace_method == "layer"

@@ -100,7 +100,8 @@ class DeepSpeedInferenceConfig(SectionModel):
     training_mp_size: PosInt = 1
     """Model-parallel size the loaded checkpoint was trained with."""
 
-    replace_method: str = "auto"
+    replace_method: Annotated[str, Deprecated(note="It is no longer needed; remove it from the call")] = "auto"
+    """Deprecated and unused (DeepSpeed picks the injection method itself); a value other than 'auto' warns."""
 
     injection_policy: dict[Any, Any] | None = Field(None, alias="injection_dict")
     """Maps a client ``nn.Module`` class to its injection policy."""
