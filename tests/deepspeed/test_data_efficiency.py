@@ -751,13 +751,13 @@ def test_convert_and_initialize_share_indices_across_layers():
         random_ltd_initialize(model, {**config, "random_ltd_layer_num": 3, "random_ltd_layer_id": [0, 1, 2]}, scheduler)
 
 
-def test_data_sampling_is_reported_as_not_built():
+def test_data_sampling_module_paths_import():
     import importlib
 
-    from deepspeed._compat import FeatureNotAvailable
-
-    with pytest.raises(FeatureNotAvailable, match="DeepSpeedDataSampler"):
-        importlib.import_module("deepspeed.runtime.data_pipeline.data_sampling.data_sampler")
+    for name, attr in (("data_sampler", "DeepSpeedDataSampler"), ("data_analyzer", "DataAnalyzer"),
+                       ("indexed_dataset", "MMapIndexedDataset"), ("utils", "find_fit_int_dtype")):
+        module = importlib.import_module(f"deepspeed.runtime.data_pipeline.data_sampling.{name}")
+        assert callable(getattr(module, attr))
 
 
 class _SeqlenEcho(torch.nn.Module):
@@ -811,3 +811,77 @@ def test_random_ltd_bad_settings_name_the_key_and_what_is_accepted():
         layer.init_config(_ltd(2, 8, model_type="vision"), sched, 0)
     with pytest.raises(ValueError, match=r"layer_token_lr_schedule.enabled=True.*accepted: false"):
         RandomLTDScheduler({**LTD_CONFIG, "layer_token_lr_schedule": {"enabled": True}})
+
+
+class _Block(torch.nn.Linear):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+class _LtdModel(torch.nn.Module):
+    """Two layers, layer 0 under random-LTD; takes the legacy ``curriculum_seqlen`` and records it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([_Block(4, 4), torch.nn.Linear(4, 4)])
+        self.seen: list[int | None] = []
+
+    def forward(self, x: torch.Tensor, curriculum_seqlen: int | None = None) -> torch.Tensor:
+        self.seen.append(curriculum_seqlen)
+        x = x[:, :curriculum_seqlen]
+        return self.layers[1](self.layers[0](x, attention_mask=None)).pow(2).mean()
+
+
+LEGACY_AND_LTD = {
+    "train_batch_size": 2, "steps_per_print": 10**6, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 32,
+                            "schedule_type": "fixed_linear",
+                            "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 8}},
+    "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
+        "enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1, "random_ltd_layer_id": [0],
+        "model_mask_name": "attention_mask", "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+        "random_ltd_schedule": {"min_value": 8, "max_value": 32,
+                                "schedule_config": {"require_steps": 8, "seq_per_step": 8}}}}}}
+
+
+def _legacy_and_ltd_resume(ckpt: str) -> tuple[list, list]:
+    import deepspeed
+
+    data = torch.randn(12, 2, 32, 4, generator=torch.Generator().manual_seed(1))
+
+    def build():
+        engine, *_ = deepspeed.initialize(model=convert_to_random_ltd(_LtdModel(), _Block), config=LEGACY_AND_LTD)
+        engine.random_ltd_initialize()
+        return engine
+
+    def run(engine, steps):
+        out = []
+        for _ in range(steps):
+            torch.manual_seed(engine.global_steps)  # the token draw is random: same seed per step in both runs
+            loss = engine(data[engine.global_steps])
+            engine.backward(loss)
+            engine.step()
+            out.append((engine.module.seen[-1], loss.item(), dict(engine.random_ltd_scheduler.state_dict())))
+        return out
+
+    engine = build()
+    run(engine, 3)
+    engine.save_checkpoint(ckpt)
+    expected = run(engine, 4)
+    resumed = build()
+    resumed.load_checkpoint(ckpt)
+    return expected, run(resumed, 4)
+
+
+def test_legacy_curriculum_and_random_ltd_resume_from_a_checkpoint(tmp_path):
+    from _harness import run_distributed
+
+    expected, got = run_distributed(_legacy_and_ltd_resume, world_size=1, args=(str(tmp_path),), timeout=60)[0]
+    assert got == expected  # same seqlen, loss, kept tokens and consumed layer-tokens after the restore
+    def multiple_of_8(value: float) -> int:
+        return min(32, math.floor(value) // 8 * 8)
+    assert [seqlen for seqlen, _, _ in expected] == [multiple_of_8(t / 6 * 24 + 8) for t in (4, 5, 6, 7)]
+    assert [s["current_value"] for _, _, s in expected] == [multiple_of_8(t / 8 * 24 + 8) for t in (3, 4, 5, 6)]
+    tokens = [s["consumed_layer_tokens"] for _, _, s in expected]
+    assert tokens[1] - tokens[0] == 2 * (multiple_of_8(4 / 8 * 24 + 8) + 32)  # batch * (kept + full layer)

@@ -144,7 +144,11 @@ def test_random_ltd_schedule_range():
                                  "schedule_type", "index_to_sample_path", "index_to_metric_path"])
 def test_curriculum_metric_required_keys(key):
     data = example()
-    del data["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"][key]
+    metric = data["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
+    del metric[key]
+    if key == "index_to_metric_path":  # only difficulty_type 'value' reads it (as DeepSpeed's sampler)
+        parse(data)
+        metric.update(difficulty_type="value")
     with pytest.raises(ConfigError) as err:
         parse(data)
     assert err.value.paths == [f"{METRIC}.{key}"]

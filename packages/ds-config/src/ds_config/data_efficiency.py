@@ -123,7 +123,7 @@ class CurriculumMetricConfig(DSConfigModel):
     index_to_sample_path: str | None = None
     """index_to_sample file from offline data analysis (needed for ``schedule_based`` clustering)."""
     index_to_metric_path: str | None = None
-    """index_to_metric file from offline data analysis (needed for ``schedule_based`` clustering)."""
+    """index_to_metric file from offline data analysis (needed for ``schedule_based`` clustering by ``value``)."""
     difficulty_type: Literal["value", "percentile"] | None = None
     """Raise the max accepted difficulty by absolute value or by percentile."""
     clustering_type: Literal["schedule_based", "single_cluster"] | None = None
@@ -142,8 +142,11 @@ class CurriculumMetricConfig(DSConfigModel):
         # no defaults in the reference: a metric is unusable without these (named here, not as "Field required")
         _require(self, ("difficulty_type", "clustering_type", "min_difficulty", "max_difficulty", "schedule_type"),
                  "defining a curriculum metric")
-        if self.clustering_type == "schedule_based":
-            _require(self, ("index_to_sample_path", "index_to_metric_path"), "clustering_type is 'schedule_based'")
+        if self.clustering_type == "schedule_based":  # the sampler reads index_to_metric for value difficulty only
+            _require(self, ("index_to_sample_path",), "clustering_type is 'schedule_based'")
+            if self.difficulty_type == "value":
+                _require(self, ("index_to_metric_path",), "clustering_type is 'schedule_based' and difficulty_type "
+                         "is 'value'")
         if self.difficulty_type == "percentile":
             for name in ("min_difficulty", "max_difficulty"):
                 if not 0 <= getattr(self, name) <= 100:

@@ -3,6 +3,11 @@ model's forward, as DeepSpeed's engine does) and the random-LTD token schedule (
 
 Both are updated in ``forward`` from the engine's step counter, as DeepSpeed does (the curriculum with
 ``global_steps + 1``, random-LTD with ``global_steps``), so a resumed run recomputes them from the restored counter.
+Random-LTD's consumed layer-tokens are saved in checkpoints (``random_ltd``), as DeepSpeed does.
+
+Curriculum data sampling (``data_efficiency.data_sampling.curriculum_learning``) lives in the training data
+loader: :func:`dataloader_config` is what ``deepspeed_io`` hands ``DeepSpeedDataLoader`` so that it samples with
+``DeepSpeedDataSampler``; the sampler's state is saved in checkpoints (``data_sampler``).
 """
 
 from __future__ import annotations
@@ -44,3 +49,42 @@ def build(config: Any, global_batch: int, micro_batch: int) -> DataEfficiency | 
     if not (config.curriculum_learning.enabled or config.data_efficiency.data_routing.random_ltd.enabled):
         return None
     return DataEfficiency(config, global_batch, micro_batch)
+
+
+def curriculum_sampling_enabled(config: Any) -> bool:
+    """Whether the training loader samples by curriculum (DeepSpeed checks this key alone)."""
+    return bool(config.data_efficiency.data_sampling.curriculum_learning.enabled)
+
+
+def dataloader_config(engine: Any, route: str) -> dict[str, Any] | None:
+    """DeepSpeed's ``deepspeed_dataloader_config`` for the training route with curriculum sampling, else None."""
+    config = engine._config
+    if route != "train" or not curriculum_sampling_enabled(config):
+        return None
+    return {
+        "curriculum_learning": True,
+        "data_efficiency": config.data_efficiency,
+        "data_parallel_group": engine.dp_group,
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "global_rank": engine.global_rank,
+        "num_workers": config.data_efficiency.data_sampling.num_workers,
+    }
+
+
+def set_custom_schedule(engine: Any, schedule: Any) -> None:
+    """``engine.set_custom_curriculum_learning_schedule``: a ``{metric: fn}`` dict goes to the curriculum data
+    sampler (DeepSpeed's form), a single function to the legacy ``curriculum_learning`` schedule."""
+    loader = getattr(engine, "training_dataloader", None)
+    if isinstance(schedule, dict):
+        if loader is None or not getattr(loader, "curriculum_learning_enabled", False):
+            raise RuntimeError("set_custom_curriculum_learning_schedule({metric: fn}): needs data_efficiency."
+                               "data_sampling.curriculum_learning enabled and training_data given to initialize()")
+        loader.data_sampler.set_custom_curriculum_learning_schedule(schedule)
+        return
+    if not callable(schedule):
+        raise TypeError("set_custom_curriculum_learning_schedule: expected {metric name: fn(step) -> difficulty} "
+                        f"or (legacy curriculum_learning) fn(step) -> difficulty, got {type(schedule).__name__}")
+    if engine.data_efficiency is None or engine.data_efficiency.curriculum is None:
+        raise RuntimeError("set_custom_curriculum_learning_schedule(fn): the legacy curriculum_learning section is "
+                           "not enabled (for data_efficiency curriculum metrics pass {metric name: fn})")
+    engine.data_efficiency.curriculum.set_custom_get_difficulty(schedule)

@@ -4,6 +4,13 @@ Each data-parallel rank reads its own shard through ``torch.utils.data.Distribut
 seed 0 and reshuffled per epoch by ``set_epoch``; the dataset is padded (by repeating its first samples) to a
 multiple of the data-parallel size so every rank runs the same number of steps. ``dataloader_drop_last``
 is PyTorch's ``drop_last``: each rank drops its last micro batch when it is smaller than ``batch_size``.
+
+With curriculum data sampling (``data_efficiency.data_sampling.curriculum_learning.enabled``, passed as
+``deepspeed_dataloader_config`` by the engine, as DeepSpeed does) the sampler is a ``DeepSpeedDataSampler``
+used as the loader's batch sampler; ``post_process_func(batch, sampler.state_dict())``, when set, receives each
+batch with the sampler's state (its ``current_difficulties``: e.g. to truncate sequences to the difficulty).
+The sampler is read lazily, so its checkpointed state matches the batches consumed; with ``num_workers > 0``
+the loader prefetches, and a resume skips the prefetched batches (as in DeepSpeed).
 """
 
 from __future__ import annotations
@@ -50,6 +57,19 @@ def _dp_placement(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return world_size, rank
 
 
+def _curriculum_sampler(dataset: Dataset, batch_size: int, loader_config: dict[str, Any], world_size: int | None,
+                        rank: int | None, drop_last: bool) -> Sampler:
+    """The ``DeepSpeedDataSampler`` of ``loader_config`` (DeepSpeed's keys: ``data_efficiency``,
+    ``data_parallel_group``, ``gradient_accumulation_steps``, ``global_rank``)."""
+    from deepspeed.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
+
+    world_size, rank = _dp_placement(world_size, rank)
+    return DeepSpeedDataSampler(loader_config["data_efficiency"], len(dataset), batch_size, rank, world_size,
+                                loader_config.get("data_parallel_group"),
+                                loader_config.get("gradient_accumulation_steps", 1),
+                                loader_config.get("global_rank", rank), drop_last=drop_last)
+
+
 class DeepSpeedDataLoader:
     """Micro batches of this data-parallel rank's shard of ``dataset``.
 
@@ -63,14 +83,22 @@ class DeepSpeedDataLoader:
     def __init__(self, dataset: Dataset, batch_size: int, pin_memory: bool, local_rank: int, tput_timer: Any,
                  collate_fn: Callable | None = None, num_local_io_workers: int | None = None,
                  data_sampler: Sampler | None = None, data_parallel_world_size: int | None = None,
-                 data_parallel_rank: int | None = None, dataloader_drop_last: bool = False) -> None:
+                 data_parallel_rank: int | None = None, dataloader_drop_last: bool = False,
+                 deepspeed_dataloader_config: dict[str, Any] | None = None) -> None:
         from deepspeed.accelerator import get_accelerator
 
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"DeepSpeedDataLoader: batch_size must be a positive int, got {batch_size!r}")
         accelerator = get_accelerator()
         device_count = 1
-        if data_sampler is None:
+        loader_config = deepspeed_dataloader_config or {}
+        self.curriculum_learning_enabled = bool(loader_config.get("curriculum_learning", False))
+        self.post_process_func: Callable[[Any, dict], Any] | None = None
+        if self.curriculum_learning_enabled:
+            data_sampler = _curriculum_sampler(dataset, batch_size, loader_config, data_parallel_world_size,
+                                               data_parallel_rank, dataloader_drop_last)
+            num_local_io_workers = loader_config.get("num_workers", 0)
+        elif data_sampler is None:
             if local_rank >= 0:
                 replicas, rank = _dp_placement(data_parallel_world_size, data_parallel_rank)
                 data_sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=0)
@@ -112,9 +140,17 @@ class DeepSpeedDataLoader:
             self._create_dataloader()
         if self.tput_timer is not None:
             self.tput_timer.start()
-        return next(self.data)
+        batch = next(self.data)
+        if self.curriculum_learning_enabled and self.post_process_func is not None:
+            batch = self.post_process_func(batch, self.data_sampler.state_dict())
+        return batch
 
     def _create_dataloader(self) -> DataLoader:
+        if self.curriculum_learning_enabled:  # the sampler yields whole micro batches of sample ids
+            self.dataloader = DataLoader(self.dataset, batch_sampler=self.data_sampler, collate_fn=self.collate_fn,
+                                         num_workers=self.num_local_io_workers, pin_memory=self.pin_memory)
+            self.data = iter(self.dataloader)
+            return self.dataloader
         self.dataloader = DataLoader(
             self.dataset,
             batch_size=self.batch_size,

@@ -17,6 +17,7 @@ The engine delegates its three methods here, passing an :class:`EngineState` bun
                                    dp_group=..., mp_rank=0, mp_world_size=1),
         sync=ckpt.SyncOptions(group=None, timeout_s=None),   # who meets at a save/load; see _sync
         shards=(),                                # ckpt.CheckpointShards extensions (ZeRO, pipeline)
+        data_sampler=None, random_ltd=None,       # data efficiency (curriculum sampler, random-LTD), or None
     )
     tag_dir = ckpt.save_checkpoint(state, save_dir, tag=None, client_state={}, save_latest=True,
                                    exclude_frozen_parameters=False)

@@ -3,7 +3,9 @@
 Reads DeepSpeed's public engine attributes (``module``, ``optimizer``, ``lr_scheduler``, the four counters,
 ``config`` dict, ``global_rank``, ``local_rank``, ``dp_group``, ``dp_world_size``) plus, when present, the typed
 config ``_config.checkpoint``, ``mp_rank``/``mp_world_size`` and ``checkpoint_shards`` (the extensions, e.g.
-the ZeRO optimizer, register there). The counters are the engine itself, so a load updates them in place.
+the ZeRO optimizer, register there), and the data-efficiency states (the curriculum sampler of
+``training_dataloader``, ``random_ltd_scheduler``). The counters are the engine itself, so a load updates them
+in place.
 """
 
 from __future__ import annotations
@@ -63,7 +65,15 @@ def as_engine_state(obj: Any) -> EngineState:
         ds_config=config if isinstance(config, dict) else {},
         parallel=_parallel(obj),
         shards=tuple(getattr(obj, "checkpoint_shards", ())),
+        data_sampler=_curriculum_sampler(obj),
+        random_ltd=getattr(obj, "random_ltd_scheduler", None),
     )
+
+
+def _curriculum_sampler(engine: Any) -> Any:
+    """The training loader's ``DeepSpeedDataSampler`` when it samples by curriculum, else None."""
+    loader = getattr(engine, "training_dataloader", None)
+    return loader.data_sampler if getattr(loader, "curriculum_learning_enabled", False) else None
 
 
 def unwrap_module(module: Any) -> torch.nn.Module:

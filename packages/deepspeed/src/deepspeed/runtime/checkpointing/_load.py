@@ -56,6 +56,9 @@ def _restore_training_state(state: EngineState, checkpoint: dict[str, Any], load
             state.optimizer.load_state_dict(checkpoint["optimizer"])
     if load_lr_scheduler_states and state.lr_scheduler is not None and checkpoint.get("lr_scheduler") is not None:
         state.lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+    for part in ("data_sampler", "random_ltd"):  # data efficiency: continue the same batches and token schedule
+        if getattr(state, part) is not None and checkpoint.get(part) is not None:
+            getattr(state, part).load_state_dict(checkpoint[part])
     counters = state.counters
     counters.global_steps = int(checkpoint["global_steps"])
     batch = state.ds_config.get("train_batch_size")

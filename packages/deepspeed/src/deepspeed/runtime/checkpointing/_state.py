@@ -137,6 +137,7 @@ class EngineState:
     it in place). ``ds_config`` is the job's config as a JSON-like dict (stored under ``ds_config``);
     ``checkpoint_config`` its typed ``checkpoint`` section. ``trusted_load=True`` lets files that hold arbitrary
     Python objects load with ``weights_only=False``: only for checkpoints you wrote yourself.
+    ``data_sampler`` / ``random_ltd``: the data-efficiency states DeepSpeed keeps in the model-states file.
     """
 
     module: torch.nn.Module
@@ -149,6 +150,8 @@ class EngineState:
     sync: SyncOptions = field(default_factory=SyncOptions)
     shards: Sequence[CheckpointShards] = ()
     trusted_load: bool = False
+    data_sampler: Stateful | None = None  # curriculum DeepSpeedDataSampler, saved under "data_sampler"
+    random_ltd: Stateful | None = None  # RandomLTDScheduler, saved under "random_ltd"
 
     def optimizer_in_shards(self) -> bool:
         """Whether an extension (ZeRO) saves the optimizer instead of the model-states file."""

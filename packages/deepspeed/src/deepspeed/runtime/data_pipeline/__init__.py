@@ -1,8 +1,8 @@
-"""Data efficiency: the curriculum-learning difficulty scheduler and random layerwise token dropping (random-LTD).
+"""Data efficiency: curriculum learning (schedules, data analysis, curriculum sampling) and random-LTD.
 
 Served here: ``curriculum_scheduler`` (CurriculumScheduler), ``constants``, ``data_routing`` (RandomLTDScheduler,
-RandomLayerTokenDrop, convert_to_random_ltd). The data-sampling half (DataAnalyzer, DeepSpeedDataSampler) is not
-built yet: ``deepspeed.runtime.data_pipeline.data_sampling`` raises ``FeatureNotAvailable``.
+RandomLayerTokenDrop, convert_to_random_ltd) and ``data_sampling`` (DataAnalyzer, DeepSpeedDataSampler,
+MMapIndexedDataset).
 """
 
 from deepspeed._compat import submodule_getattr
