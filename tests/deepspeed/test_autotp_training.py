@@ -105,12 +105,12 @@ def _errors() -> list[str]:
     with pytest.raises(ConfigError) as conflict:
         deepspeed.initialize(model=_llama(True), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
     messages.append(str(conflict.value))
-    _autotp_setup._RECORDED.clear()
+    assert not _autotp_setup._RECORDED  # consumed by the failed initialize: a corrected retry starts clean
     deepspeed.tp_model_init(_llama(True), tp_size=2, dtype=torch.bfloat16)  # the config trains in fp32
     with pytest.raises(ConfigError) as dtype:
         deepspeed.initialize(model=_llama(True), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
     messages.append(str(dtype.value))
-    _autotp_setup._RECORDED.clear()
+    assert not _autotp_setup._RECORDED
     return messages
 
 
@@ -182,3 +182,56 @@ def test_four_ranks_tensor_and_data_parallel_train_like_one_rank():
     for got in results:
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_data_groups_follow_the_given_tensor_groups():
+    from deepspeed.runtime._autotp_setup import data_parallel_ranks
+
+    assert data_parallel_ranks([[0, 1], [2, 3]], 4) == [[0, 2], [1, 3]]
+    assert data_parallel_ranks([[0, 2], [1, 3]], 4) == [[0, 1], [2, 3]]  # strided tensor groups
+    with pytest.raises(ValueError, match="disjoint groups of one size"):
+        data_parallel_ranks([[0, 1], [1, 2]], 4)
+
+
+def _strided_tp_group() -> tuple:
+    """tp_model_init's tp_group holding ranks {0, 2} / {1, 3}: the data groups are {0, 1} / {2, 3}."""
+    import torch.distributed as dist
+
+    from deepspeed.runtime._autotp_setup import _GroupMpu
+
+    tensor = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mpu = _GroupMpu(tensor[dist.get_rank() % 2])
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total, group=mpu.get_data_parallel_group())
+    return (mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+            total.item())
+
+
+def test_a_strided_tp_group_gets_the_matching_data_groups():
+    results = run_distributed(_strided_tp_group, world_size=4, timeout=120)
+    # (tensor rank, data rank, data world, sum of the data group's global ranks); before the fix the data group
+    # of a strided tensor group was the tensor group itself
+    assert results == [(0, 0, 2, 1.0), (0, 1, 2, 1.0), (1, 0, 2, 5.0), (1, 1, 2, 5.0)]
+
+
+def test_rule_priority_and_use_default_specs():
+    from deepspeed.runtime._autotp_setup import layer_specs
+    from ds_config.parallel import TensorParallelConfig
+
+    def patterns(section: dict, plan: bool) -> list[str] | None:
+        specs = layer_specs(_llama(plan), TensorParallelConfig.model_validate({"autotp_size": 2, **section}))
+        return None if specs is None else [p for s in specs for p in s.patterns]
+
+    custom = {"layer_specs": [{"patterns": ["a"], "partition_type": "row"}]}
+    preset = [r".*\.self_attn\.o_proj\.weight$", r".*\.self_attn\.[qkv]_proj\.weight$",
+              r".*\.mlp\.down_proj\.weight$", r".*\.mlp\.(up|gate)_proj\.weight$"]
+    # partition_config first; use_default_specs appends the preset_model specs, and only when one is given
+    assert patterns({"preset_model": "llama", "partition_config": {**custom, "use_default_specs": True}},
+                    True) == ["a", *preset]
+    assert patterns({"preset_model": "llama", "partition_config": custom}, True) == ["a"]
+    assert patterns({"partition_config": {**custom, "use_default_specs": True}}, False) == ["a"]
+    # then the Hugging Face plan (over preset_model), then the preset, else the heuristics (None)
+    hf = patterns({"preset_model": "llama"}, True)
+    assert hf != preset and any("q_proj" in p for p in hf)
+    assert patterns({"preset_model": "llama"}, False) == preset
+    assert patterns({}, False) is None

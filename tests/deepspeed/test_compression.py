@@ -193,6 +193,17 @@ def test_sparse_pruning_obeys_dense_ratio(method, ratio):
     torch.testing.assert_close(model(x), masked)
 
 
+def test_sparse_pruning_excluded_modules_stay_dense():
+    model = mlp()
+    cfg = section(sparse_pruning=pruning("l1", 0.25, modules=["*"], excluded_modules=["^2$"]))
+    init_compression(model, cfg)
+    compression_scheduler(model, cfg)
+    assert int((model[0].compressed_weight() != 0).sum()) == 32  # "*" reaches layer 0
+    assert type(model[2]) is nn.Linear and int((model[2].weight != 0).sum()) == 128  # excluded: untouched
+    with pytest.raises(ValueError, match="matches no Linear/Conv2d module"):  # excluding all of a group's scope
+        init_compression(mlp(), section(sparse_pruning=pruning(modules=["2"], excluded_modules=["2"])))
+
+
 def test_topk_scores_learn_and_pruning_waits_for_its_offset():
     model = mlp()
     cfg = section(sparse_pruning=pruning("topk", 0.5, offset=2))
@@ -286,6 +297,10 @@ def test_conv_and_embedding_layers_quantize_and_prune():
     redundancy_clean(net, cfg)
     assert max(_distinct_per_group(net.conv2.weight, 1)) <= 16
     torch.testing.assert_close(net(x), masked)
+    everything = Stack(2, 0)  # "*" is the documented "All Linear and CONV2D layers": embeddings only by name
+    init_compression(everything, section(weight_quantization=wq(start=4, target=4, modules=["*"])))
+    assert type(everything.embed) is nn.Embedding
+    assert all(isinstance(m, LinearLayer_Compress) for m in (*everything.blocks, everything.head))
 
 
 # ---------------------------------------------------------------------------------------------- layer reduction

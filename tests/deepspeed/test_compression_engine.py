@@ -18,8 +18,15 @@ ADAM = {"type": "Adam", "params": {"lr": 1e-2}}
 
 
 @pytest.fixture(autouse=True)
-def _single_process_group():
-    """The in-process tests train a world of 1; the group deepspeed.initialize creates goes with the test."""
+def _single_process_group(monkeypatch):
+    """The in-process tests train a world of 1 on a free port (the default 29500 may be taken by another job on
+    the machine); the group deepspeed.initialize creates goes with the test."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(probe.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     yield
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -107,6 +107,12 @@ def test_layer_reduction_from_a_bert_teacher():
     reduced.encoder.layer = torch.nn.ModuleList([reduced.encoder.layer[1], reduced.encoder.layer[3]])
     with torch.no_grad():
         torch.testing.assert_close(student(**inputs()).last_hidden_state, reduced(**inputs()).last_hidden_state)
+    # a student copied from the teacher is cut to 2 layers: its HF config says so (a rebuilt model matches)
+    copied = copy.deepcopy(teacher)
+    init_compression(copied, cfg, teacher_model=teacher)
+    assert len(copied.encoder.layer) == copied.config.num_hidden_layers == 2
+    assert teacher.config.num_hidden_layers == 4
+    assert len(type(copied)(copied.config).encoder.layer) == 2
 
 
 def test_gpt2_conv1d_layers_convert_to_linear_and_compress():

@@ -151,6 +151,16 @@ def test_layer_specs_and_hf_plan():
     with pytest.raises(ValueError, match="do not add up"):
         spec.sub_sizes(20)
     assert TPLayerSpec(patterns=["x"], shape=[2, -1], partition_dim=0).sub_sizes(10) == [5, 5]
+    # partition_dim left out: the split dimension (0 for column), as DeepSpeed; the packing is not ignored
+    assert TPLayerSpec(patterns=["x"], shape=[2, -1]).sub_sizes(10) == [5, 5]
+    assert TPLayerSpec(patterns=["x"], partition_type="row", shape=[-1, 2]).sub_sizes(10) == [5, 5]
+    assert TPLayerSpec(patterns=["x"], partition_type="ROW").partition_type is PartitionType.ROW
+    with pytest.raises(ValueError, match=r"partition_type 'diagonal'.*accepted: \['column', 'row', 'skip'\]"):
+        TPLayerSpec(patterns=["x"], partition_type="diagonal")
+    with pytest.raises(ValueError, match="partition_dim 2 is out of range"):
+        TPLayerSpec(patterns=["x"], shape=[2, -1], partition_dim=2)
+    with pytest.raises(ValueError, match="entry 0 at 0 is invalid"):
+        TPLayerSpec(patterns=["x"], shape=[0, -1])
     config = AutoTPConfig.from_dict({"layer_specs": [{"patterns": ["a"], "partition_type": "row"}]})
     assert config.find_matching_spec("a").partition_type is PartitionType.ROW
     specs = hf_tp_plan_specs({"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"})

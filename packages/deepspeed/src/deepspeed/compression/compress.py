@@ -53,6 +53,8 @@ def get_module_name(group_name: str, model: nn.Module, key_word: str, exist_modu
     except re.error as exc:
         raise ValueError(f"{SECTION} group {group_name!r}: module pattern {key_word!r} is not a valid regular "
                          f"expression ({exc})") from None
+    if pattern is None:  # the documented default scope: "All Linear and CONV2D layers" (embeddings only by name)
+        types = tuple(t for t in types if t in (nn.Linear, nn.Conv2d))
     found = []
     for name, module in model.named_modules():
         if not (is_module_compressible(module, mpu) and isinstance(module, types)):
@@ -97,6 +99,17 @@ def _related_names(technique: str, group_name: str, model: nn.Module, related: l
     return lists
 
 
+def _excluded(name: str, shared: Any) -> bool:
+    """Sparse pruning's ``excluded_modules`` (regexes, ``re.search`` as ``modules``): never pruned, e.g. the
+    output layer when the groups say ``"*"``."""
+    patterns = getattr(shared, "excluded_modules", None) or ()
+    try:
+        return any(re.search(p, name) for p in patterns)
+    except re.error as exc:
+        raise ValueError(f"{SECTION}.sparse_pruning.shared_parameters.excluded_modules: {patterns} holds an invalid "
+                         f"regular expression ({exc})") from None
+
+
 def get_compress_methods(model: nn.Module, compress_methods: CompressionConfig, mpu: Any = None) -> list:
     """Per enabled technique and group: ``[module_name_lists, related_module_name_lists, {technique: params}]``
     (one name list per ``modules`` pattern; per pattern one name list per related pattern)."""
@@ -111,6 +124,8 @@ def get_compress_methods(model: nn.Module, compress_methods: CompressionConfig, 
             module_lists, related_lists = [], []
             for i, key_word in enumerate(group.modules):
                 names, _ = get_module_name(group_name, model, key_word, claimed, mpu=mpu, types=_SCOPE[technique])
+                excluded = {n for n in names if _excluded(n, section.shared_parameters)}
+                names, claimed = [n for n in names if n not in excluded], claimed - excluded
                 if not names:  # one config may serve several models: only a group matching nothing is an error
                     logger.warning(_describe(technique, group_name, key_word, _SCOPE[technique]))
                 module_lists.append(names)

@@ -9,6 +9,7 @@ from torch import nn
 
 from deepspeed.compression.config import SECTION
 from deepspeed.compression.helper import recursive_getattr
+from deepspeed.utils.logging import logger
 
 _WHERE = f"{SECTION}.layer_reduction"
 
@@ -48,16 +49,32 @@ def _kept_layers(student: nn.Module, prefix: str, keep: int) -> nn.Module:
     return layers
 
 
+def _update_layer_count(student: nn.Module, teacher: nn.Module, before: int, keep: int) -> None:
+    """A Hugging Face student's ``config.num_hidden_layers`` follows the cut (``save_pretrained`` / reloading and
+    the KV cache read it), when it counted the cut container's layers."""
+    config = getattr(student, "config", None)
+    if before == keep or getattr(config, "num_hidden_layers", None) != before:
+        return
+    if config is getattr(teacher, "config", None):
+        logger.warning(f"{_WHERE}: the student shares its config object with the teacher, so "
+                       f"config.num_hidden_layers stays {before}; build the student with its own config")
+        return
+    config.num_hidden_layers = keep
+
+
 def student_initialization(student_model: nn.Module, teacher_model: nn.Module, deepspeed_config: object) -> None:
     """Initialize ``student_model`` from ``teacher_model`` as ``compression_training.layer_reduction`` says:
     student layer ``i`` (under ``module_name_prefix``, cut to ``keep_number_layer`` layers) takes teacher layer
-    ``teacher_layer[i]``; every module in ``other_module_name`` takes the teacher's module of the same name."""
+    ``teacher_layer[i]``; every module in ``other_module_name`` takes the teacher's module of the same name.
+    A Hugging Face student's ``config.num_hidden_layers`` is set to the kept count when the layers were cut."""
     from deepspeed.compression.config import get_compression_config
 
     cfg = get_compression_config(deepspeed_config).layer_reduction
     if cfg.module_name_prefix is not None and cfg.teacher_layer is not None:
         keep = cfg.keep_number_layer or len(cfg.teacher_layer)
+        before = len(_module(student_model, cfg.module_name_prefix, "student"))
         s_layers = _kept_layers(student_model, cfg.module_name_prefix, keep)
+        _update_layer_count(student_model, teacher_model, before, keep)
         t_layers = _module(teacher_model, cfg.module_name_prefix, "teacher")
         for s_idx, t_idx in enumerate(cfg.teacher_layer):
             if not 0 <= t_idx < len(t_layers):

@@ -38,9 +38,9 @@ class AutoTPGroups:
     def __init__(self, tp_size: int) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % tp_size:
-            raise ConfigError(ConfigProblem("tensor_parallel.autotp_size", f"must divide the world size ({world})",
-                                            tp_size))
-        self.tp, self.dp, self._rank = tp_size, world // tp_size, rank
+            raise ConfigError(ConfigProblem("tensor_parallel.autotp_size", f"must divide the world size ({world}); "
+                                            f"accepted: a divisor of {world}", tp_size))
+        self.tp, self.dp = tp_size, world // tp_size
         tensor = [dist.new_group(list(range(b * tp_size, (b + 1) * tp_size))) for b in range(self.dp)]
         data = [dist.new_group(list(range(i, world, tp_size))) for i in range(tp_size)]  # collective: all ranks
         self._tensor, self._data = tensor[rank // tp_size], data[rank % tp_size]
@@ -52,7 +52,7 @@ class AutoTPGroups:
         return self.tp
 
     def get_tensor_model_parallel_rank(self) -> int:
-        return self._rank % self.tp
+        return dist.get_rank(self._tensor)
 
     get_model_parallel_group = get_tensor_model_parallel_group
     get_model_parallel_world_size = get_tensor_model_parallel_world_size
@@ -65,7 +65,7 @@ class AutoTPGroups:
         return self.dp
 
     def get_data_parallel_rank(self) -> int:
-        return self._rank // self.tp
+        return dist.get_rank(self._data)
 
 
 def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None,
@@ -119,17 +119,37 @@ def _groups(tp_size: int, mpu: Any) -> Any:
     return mpu if mpu is not None else _GroupMpu(group)
 
 
+def data_parallel_ranks(tensor_groups: list[list[int]], world: int) -> list[list[int]]:
+    """Data-parallel groups that go with the given tensor groups (global ranks in tensor-rank order): the ranks
+    at the same tensor-parallel position. The groups must tile the world with one size."""
+    flat = sorted(r for g in tensor_groups for r in g)
+    if flat != list(range(world)) or len({len(g) for g in tensor_groups}) != 1:
+        raise ValueError(f"tp_model_init: the tensor-parallel groups of the ranks {tensor_groups} do not split the "
+                         f"{world} ranks into disjoint groups of one size; accepted: every rank in exactly one "
+                         "group, all groups of tp_size ranks")
+    return [[g[i] for g in tensor_groups] for i in range(len(tensor_groups[0]))]
+
+
 class _GroupMpu(AutoTPGroups):
-    """The mpu of a tensor group passed to ``tp_model_init``: data parallel across the groups of that size."""
+    """The mpu of a tensor group passed to ``tp_model_init``: data parallel across the ranks holding the same
+    tensor-parallel position, whatever ranks the groups hold (consecutive or strided)."""
 
     def __init__(self, group: Any) -> None:  # not super().__init__: the tensor group is given
         self._tensor, self.tp = group, dist.get_world_size(group)
-        self._rank, self.dp = dist.get_rank(), dist.get_world_size() // self.tp
-        self._data = AutoTPGroups(self.tp)._data
+        self.dp = dist.get_world_size() // self.tp
+        mine = [dist.get_global_rank(group, i) for i in range(self.tp)]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        groups = sorted({tuple(g) for g in everyone}, key=min)
+        data = [dist.new_group(ranks) for ranks in data_parallel_ranks([list(g) for g in groups],
+                                                                        dist.get_world_size())]
+        self._data = data[dist.get_rank(group)]
 
 
 def layer_specs(model: torch.nn.Module, section: Any) -> list[TPLayerSpec] | None:
-    """The rules by the documented priority (None: AutoTP heuristics)."""
+    """The rules by the documented priority (None: AutoTP heuristics). ``use_default_specs`` appends the
+    ``preset_model`` specs after the custom ones (the spec: "when preset_model is provided"; without it the
+    custom specs alone apply, as in DeepSpeed)."""
     config = getattr(model, "config", None)
     preset_name = section.preset_model
     preset = AutoTPPresets.get_preset(preset_name) if preset_name else None
@@ -137,9 +157,8 @@ def layer_specs(model: torch.nn.Module, section: Any) -> list[TPLayerSpec] | Non
     if custom is not None:
         specs = [TPLayerSpec(patterns=list(s.patterns), partition_type=s.partition_type, shape=s.shape,
                              partition_dim=s.partition_dim, model_types=s.model_types) for s in custom.layer_specs]
-        if custom.use_default_specs:
-            base = preset or AutoTPPresets.get_preset(str(getattr(config, "model_type", "")))
-            specs += base.layer_specs if base is not None else []
+        if custom.use_default_specs and preset is not None:
+            specs += preset.layer_specs
         return specs
     plan = getattr(config, "base_model_tp_plan", None) or getattr(model, "_tp_plan", None)
     try:
@@ -157,7 +176,15 @@ def _remap(params: Any, renamed: Mapping[int, torch.nn.Parameter]) -> Any:
 
 def apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any, Any]:
     """Shard ``model`` when the config (or ``tp_model_init``) asks for AutoTP; returns the mpu to use and the
-    parameter list / client optimizer pointed at the sharded tensors."""
+    parameter list / client optimizer pointed at the sharded tensors. ``tp_model_init``'s record serves this
+    one ``initialize`` even when it fails, so a corrected retry does not inherit a stale tp_size."""
+    try:
+        return _apply_autotp(model, config, mpu, model_parameters, optimizer)
+    finally:
+        _RECORDED.clear()
+
+
+def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any, Any]:
     section = config.tensor_parallel
     tp_size = _tp_size(section, mpu)
     if tp_size <= 1:
@@ -191,7 +218,6 @@ def apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optim
     if isinstance(optimizer, torch.optim.Optimizer):
         for group in optimizer.param_groups:
             group["params"] = _remap(group["params"], renamed)
-    _RECORDED.clear()
     return mpu, model_parameters, optimizer
 
 

@@ -26,7 +26,8 @@ class TPLayerSpec:
     """One rule: weights whose name matches one of ``patterns`` are sharded as ``partition_type``.
 
     ``shape``/``partition_dim`` describe packed sub-parameters along the split dimension: ``shape[partition_dim]``
-    is a count of equal chunks (``[2, -1]``: gate/up) or a list of chunk sizes (``[[q, kv, kv], -1]``).
+    is a count of equal chunks (``[2, -1]``: gate/up) or a list of chunk sizes (``[[q, kv, kv], -1]``);
+    ``partition_dim`` defaults to the split dimension (0 column, 1 row). ``partition_type`` is case-insensitive.
     """
 
     patterns: list[str]
@@ -37,11 +38,39 @@ class TPLayerSpec:
     _compiled: list[re.Pattern] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.partition_type = PartitionType(getattr(self.partition_type, "value", self.partition_type))
+        kind = getattr(self.partition_type, "value", self.partition_type)
+        try:
+            self.partition_type = PartitionType(str(kind).lower())
+        except ValueError:
+            raise ValueError(f"AutoTP layer spec {self.patterns}: partition_type {kind!r} is not supported; "
+                             f"accepted: {[t.value for t in PartitionType]}") from None
         try:
             self._compiled = [re.compile(p) for p in self.patterns]
         except re.error as exc:
             raise ValueError(f"invalid AutoTP layer spec pattern in {self.patterns}: {exc}") from None
+        if self.shape is not None:
+            self._check_shape()
+
+    def get_partition_dim(self) -> int:
+        """The ``shape`` dimension holding the packed sub-parameters: ``partition_dim`` when given, else the
+        split dimension of the ``[out, in]`` weight (0 for a column split, 1 for a row split), as DeepSpeed."""
+        if self.partition_dim is not None:
+            return self.partition_dim
+        return 1 if self.partition_type is PartitionType.ROW else 0
+
+    def _check_shape(self) -> None:
+        where = f"AutoTP layer spec {self.patterns}: shape {list(self.shape)}"
+        dim = self.get_partition_dim()
+        if not 0 <= dim < len(self.shape):
+            raise ValueError(f"{where}: partition_dim {dim} is out of range; accepted: 0..{len(self.shape) - 1}")
+        for i, entry in enumerate(self.shape):
+            if isinstance(entry, (list, tuple)):
+                if i != dim or not entry or not all(isinstance(e, int) and e > 0 for e in entry):
+                    raise ValueError(f"{where}: a list of sub-parameter sizes is accepted only at partition_dim "
+                                     f"({dim}) and must hold positive ints, got {entry!r} at {i}")
+            elif not isinstance(entry, int) or isinstance(entry, bool) or not (entry > 0 or entry == -1):
+                raise ValueError(f"{where}: entry {entry!r} at {i} is invalid; accepted: a positive int, -1 "
+                                 "(inferred) or a list of sizes at partition_dim")
 
     def matches(self, param_name: str, model_type: str | None = None) -> bool:
         """Whether this rule applies to ``param_name`` (and to the model type, when restricted)."""
@@ -51,9 +80,9 @@ class TPLayerSpec:
 
     def sub_sizes(self, total: int) -> list[int]:
         """Sizes of the packed sub-parameters along the split dimension (one entry when unpacked)."""
-        if self.shape is None or self.partition_dim is None:
+        if self.shape is None:
             return [total]
-        entry = self.shape[self.partition_dim]
+        entry = self.shape[self.get_partition_dim()]
         if isinstance(entry, (list, tuple)):
             if sum(entry) != total:
                 raise ValueError(f"layer spec {self.patterns}: sub-parameter sizes {list(entry)} do not add up "
