@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from ds_config._base import DSConfigModel
 from ds_config._types import Bool
@@ -19,8 +19,9 @@ class CompileConfig(DSConfigModel):
     """Extra keyword arguments for ``torch.compile``."""
     deepcompile: Bool = False
     """Enable DeepCompile (compiler-driven ZeRO optimisations)."""
-    passes: list[str] | None = None
-    """DeepCompile passes to run, e.g. ``["autosp"]`` for automatic sequence parallelism."""
+    passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None
+    """DeepCompile passes to run (DeepSpeed's pass names), e.g. ``["autosp"]`` for automatic sequence
+    parallelism."""
     free_activation: Bool = False
     offload_activation: Bool = False
     offload_opt_states: Bool = False

@@ -1,0 +1,4 @@
+"""DeepCompile (``deepspeed.compile``): compiler passes run by ``DeepSpeedEngine.compile`` when the config's
+``compile.deepcompile`` is on. This version provides AutoSP (``passes: ["autosp"]``), automatic Ulysses sequence
+parallelism for SDPA models (``deepspeed.compile.passes.sp_compile``); DeepCompile's ZeRO and AutoTP passes are not
+built. Nothing here is imported by ``import deepspeed``."""

@@ -1,0 +1,125 @@
+"""``DeepSpeedEngine.compile``: plain ``torch.compile`` of the wrapped module, or DeepCompile's AutoSP pass.
+
+AutoSP (``compile: {deepcompile: true, passes: ["autosp"]}`` with ``sequence_parallel_size: P``) compiles the
+module's call with a backend that runs ``passes.sp_compile.autosp_pass`` before the requested backend, and puts a
+thin call in front of it that keeps each rank's sequence shard of the inputs ``prepare_autosp_inputs`` marked.
+Each rank's loss is then the loss of its shard (e.g. a mean over its tokens), so gradients are averaged over the
+sequence-data-parallel ranks (DeepSpeed's AutoSP treats the sequence ranks like data-parallel ones for the
+reduction), unlike hand-written Ulysses where each rank's loss is its share of the whole and sequence ranks sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from deepspeed.utils import log_dist
+from ds_config import ConfigError, ConfigProblem
+
+
+def compile_engine(engine: Any, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
+                   compiled_autograd_enabled: bool) -> None:
+    """Compile ``engine.module`` in place (see ``DeepSpeedEngine.compile``)."""
+    section = engine._config.compile
+    if schedule is not None:
+        raise ValueError("engine.compile: schedule orders DeepCompile's ZeRO passes, which are not available in this "
+                         "version; pass schedule=None")
+    if compiled_autograd_enabled:
+        raise ValueError("engine.compile: compiled_autograd_enabled=True (a compiled backward) is not available in "
+                         "this version: the engine reduces gradients from hooks in eager autograd; pass False")
+    if not isinstance(compile_kwargs, dict):
+        raise TypeError(f"engine.compile: compile_kwargs must be a dict, got {type(compile_kwargs).__name__}")
+    kwargs = {**section.kwargs, **compile_kwargs}
+    if "backend" in kwargs:
+        log_dist("engine.compile: 'backend' in compile_kwargs is overridden by the backend argument", ranks=[0],
+                 level=logging.WARNING)
+        del kwargs["backend"]
+    if engine.is_compiled:
+        log_dist("engine.compile: the module is already compiled; nothing to do", ranks=[0])
+        return
+    backend = section.backend if backend is None else backend  # None: the compile section's backend
+    if not section.deepcompile:
+        engine.module.compile(backend=backend, **kwargs)
+        return
+    check_deepcompile(section)
+    compile_autosp(engine, backend, kwargs)
+
+
+def check_deepcompile(section: Any) -> None:
+    """``compile`` with ``deepcompile``: only the AutoSP pass is available (ZeRO and AutoTP passes are not)."""
+    others = [p for p in section.passes or [] if p != "autosp"]
+    if not section.autosp or others:
+        raise ConfigError(ConfigProblem("compile.passes", "of DeepCompile's passes only AutoSP is available in this "
+                                        "version (the ZeRO and AutoTP passes are not); accepted: [\"autosp\"]",
+                                        section.passes))
+
+
+class _AutoSPCall:
+    """The module's call under AutoSP: shard the marked inputs, run the compiled graph, explain graph breaks."""
+
+    def __init__(self, compiled: Any, group: Any, key: int, world: int) -> None:
+        self.compiled, self.group, self.key, self.world = compiled, group, key, world
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from deepspeed.compile.passes.sp_compile import UlyssesAttentionMode, has_marked_inputs, shard_inputs
+
+        if self.world == 1:
+            return self.compiled(*args, **kwargs)
+        if not has_marked_inputs((args, kwargs)):
+            raise ValueError("AutoSP: no input marked for sequence sharding; pass the batch through "
+                             "deepspeed.compile.passes.sp_compile.prepare_autosp_inputs before each forward")
+        args, kwargs = shard_inputs((args, kwargs), self.group)
+        try:
+            with UlyssesAttentionMode(self.key):  # traced by Dynamo into the graph it captures
+                return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # the AutoSP pass's own error, unwrapped
+            raise exc.inner_exception from exc
+        except torch._dynamo.exc.Unsupported as exc:
+            raise RuntimeError("AutoSP needs the model's forward as one graph, but torch.compile found a graph break "
+                               "(AutoSP cannot follow the sequence sharding across separate graphs); remove the "
+                               f"construct torch.compile reports: {str(exc).splitlines()[0]}") from exc
+
+
+def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
+    """Compile ``engine.module`` with the AutoSP pass over the engine's sequence-parallel group."""
+    from deepspeed.compile import _all_to_all
+    from deepspeed.compile.passes.sp_compile import autosp_pass
+    from deepspeed.utils import groups
+
+    if engine.zero_optimization_stage() != 0:
+        raise ConfigError(ConfigProblem("zero_optimization.stage", "AutoSP requires ZeRO stage 0; accepted: 0",
+                                        engine.zero_optimization_stage()))
+    if kwargs.get("fullgraph", True) is not True:
+        raise ValueError("engine.compile: AutoSP compiles the whole forward as one graph; drop fullgraph=False from "
+                         "compile_kwargs")
+    world = engine.sequence_parallel_size
+    group = groups._get_sequence_parallel_group()
+    key = _all_to_all.register_group(group)
+    inner = backend if callable(backend) else torch._dynamo.lookup_backend(backend)
+
+    def autosp_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        if world > 1:
+            autosp_pass(gm, key)
+        return inner(gm, example_inputs)
+
+    module = engine.module
+    compiled = torch.compile(module._call_impl, backend=autosp_backend, **{"dynamic": False, **kwargs,
+                                                                           "fullgraph": True})
+    module._compiled_call_impl = _AutoSPCall(compiled, group, key, world)  # what nn.Module.compile sets
+    _average_over_sequence_ranks(engine)
+
+
+def _average_over_sequence_ranks(engine: Any) -> None:
+    """Gradients of AutoSP ranks (each a loss over its own shard) are averaged over the sequence-data group."""
+    from deepspeed.runtime._grad_reduce import BucketedAllReduce
+
+    if engine.sequence_parallel_size == 1 or engine.reducer is None:
+        return
+    if not isinstance(engine.reducer, BucketedAllReduce):
+        raise ConfigError(ConfigProblem("compile.passes", "AutoSP trains with the engine's data-parallel all-reduce "
+                                        f"(not {type(engine.reducer).__name__}: 1-bit optimizers and MoE layers are "
+                                        "not supported with it)", ["autosp"]))
+    engine.reducer.options = dataclasses.replace(engine.reducer.options, world_size=engine.seq_dp_world_size)

@@ -1,0 +1,1 @@
+"""DeepCompile graph passes: ``sp_compile`` (AutoSP)."""
