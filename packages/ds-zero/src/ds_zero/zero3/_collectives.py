@@ -8,6 +8,8 @@ and each parameter's whole value is cut out of that. On gloo with up to four ran
 point (the same choice as stage 1/2's gather, ``ds_zero._gather``: faster than gloo's all-gather on CPU);
 otherwise one ``all_gather_into_tensor``; with ``stage3_use_all_reduce_for_fetch_params`` an all-reduce of a
 zeroed buffer holding each rank's slice. ``stage3_allgather_sequential`` makes one exchange per parameter.
+Parameters of a MiCS/ZeRO++ partition space are gathered by ``ds_zero.zeropp.gather`` (quantized, hpZ secondary
+or hierarchical exchanges), batched by the kind of exchange.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ import torch
 import torch.distributed as dist
 
 from ds_zero._gather import P2P_MAX_WORLD
-from ds_zero.zero3._param import ZeroParamStatus, install_full, write_partition_from_full
+from ds_zero.zero3._param import (
+    ZeroParamStatus,
+    install_full,
+    release_partitions,
+    swap_in_partitions,
+    write_partition_from_full,
+)
+from ds_zero.zeropp.frozen import is_stored_quantized, write_full
+from ds_zero.zeropp.gather import ZeroPPBatch, gather_kind, uses_zeropp
+from ds_zero.zeropp.traffic import record
 
 _P2P_CACHE: dict[int, bool] = {}
 # point to point, a partition of at least this many elements travels on its own (no packing copies)
@@ -56,6 +67,9 @@ class _Batch:
         dtype, device = self.params[0].dtype, space.compute_device
         for p in self.params:
             p.ds_status = ZeroParamStatus.INFLIGHT
+        if space.world > 1:  # what this rank sends: its partitions to every other rank (the ZeRO++ baseline)
+            record("param_gather", (space.world - 1) * sum(p.ds_tensor.numel() for p in self.params)
+                   * self.params[0].element_size())
         if space.world > 1 and not space.fetch_all_reduce and _use_p2p(space):
             self.works = list(comm.batch_isend_irecv(self._p2p_ops(dtype, device)))
             return
@@ -125,11 +139,14 @@ class PendingGather:
     """Gathers in flight for a list of parameters; ``wait()`` installs the whole values."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        swap_in_partitions(params)  # ZeRO-Infinity: partitions on NVMe are read before the exchange reads them
         by_kind: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
         for p in params:
             key = (id(p.ds_space.group), p.dtype, p.ds_space.compute_device)
+            if uses_zeropp(p):  # MiCS/ZeRO++: the source (hpZ) and quantization (qwZ) are part of the exchange
+                key = (*key, gather_kind(p))
             by_kind[(*key, p.ds_id) if p.ds_space.sequential else key].append(p)
-        self.batches = [_Batch(ps) for ps in by_kind.values()]
+        self.batches = [ZeroPPBatch(ps) if uses_zeropp(ps[0]) else _Batch(ps) for ps in by_kind.values()]
         self.numel = sum(p.ds_numel for p in params)
         for p in params:
             p.ds_pending = self  # so any later gather of an INFLIGHT parameter (gather_now) waits for this one
@@ -139,6 +156,7 @@ class PendingGather:
     def wait(self) -> None:
         for batch in self.batches:
             batch.finish()
+            release_partitions(batch.params)
             for p in batch.params:
                 p.ds_pending = None
         self.batches = []
@@ -168,4 +186,7 @@ def broadcast_into_partitions(params: list[torch.nn.Parameter], src_rank: int) -
         if space.world > 1:
             src = dist.get_global_rank(space.group, src_rank) if space.group is not None else src_rank
             space.comm.broadcast(p.data, src=src, group=space.group)
-        write_partition_from_full(p, p.data)
+        if is_stored_quantized(p):  # zero_quantized_nontrainable_weights: quantized again
+            write_full(p, p.data)
+        else:
+            write_partition_from_full(p, p.data)

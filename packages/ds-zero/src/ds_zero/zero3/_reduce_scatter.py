@@ -10,6 +10,10 @@ issues the same collectives: on gloo with up to four ranks point to point (each 
 owning optimizer group's gradient partition, so gradients accumulate across micro-steps. At the end of
 backward the remaining buckets (gradients that never arrived count as zeros) are sent and the scheduler's
 pass ends (every gathered parameter is released).
+
+MiCS and ZeRO++ (``configure_zeropp``): with qgZ a bucket's exchange is the quantized two-hop all-to-all of
+``ds_zero.zeropp.qgz`` instead; with MiCS (the group is a shard group) each reduced row is then all-reduced across
+the shard group's replicas and averaged over all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch.distributed as dist
 
 from ds_zero._gather import P2P_MAX_WORLD
 from ds_zero._reduce import ReduceSettings
+from ds_zero.zeropp._exchange import all_reduce_sum
+from ds_zero.zeropp.traffic import record
 
 _POOL = 2  # freed buffers kept for reuse: one bucket's [W, B] buffer and its receive rows (~2 x reduce_bucket_size)
 
@@ -68,6 +74,14 @@ class ReduceScatter:
         # freed bucket and receive buffers, reused by the next bucket: a fresh tensor per bucket and step costs its
         # allocation and, on the CPU, the first-touch page faults of every byte (15 ms of an MLP step)
         self._pool: list[torch.Tensor] = []
+        self.replica: Any = None  # MiCS: the replicas of this rank's shard (a SubGroup), summed after the reduce
+        self.qgz: Any = None  # ZeRO++ qgZ: a QuantizedReduce doing the reduce-scatter as a quantized all-to-all
+
+    def configure_zeropp(self, replica: Any = None, qgz: Any = None) -> None:
+        """MiCS: ``replica`` (the ranks holding this rank's shard in the other shard groups, a ``SubGroup``) gets
+        each reduced row all-reduced across it, and the average is over shard group x replicas. qgZ: ``qgz``
+        (``ds_zero.zeropp.qgz.QuantizedReduce``) replaces the exchange."""
+        self.replica, self.qgz = replica, qgz
 
     def _make_buckets(self, params: list[torch.nn.Parameter], limit: int) -> list[_Bucket]:
         buckets, current, size = [], [], 0
@@ -182,6 +196,8 @@ class ReduceScatter:
             buf.div_(self.settings.gradient_predivide_factor)
         if self.world == 1:
             bucket.result = buf[0]
+        elif self.qgz is not None:  # synchronous: the hops dequantize and sum between exchanges
+            bucket.result = self.qgz.reduce(buf, key=id(bucket) if bucket in self.buckets else None)
         elif self.p2p:
             bucket.received = self._take((self.world - 1) * bucket.width, buf.dtype, buf.device).view(
                 self.world - 1, bucket.width)
@@ -194,10 +210,12 @@ class ReduceScatter:
                 ops.append(dist.P2POp(dist.irecv, bucket.received[k], peer, self.group))
                 k += 1
             bucket.works = list(self.comm.batch_isend_irecv(ops))
+            record("grad_reduce", (self.world - 1) * bucket.width * buf.element_size())
         else:
             bucket.result = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
             reduce_scatter = getattr(self.comm, "reduce_scatter_tensor", dist.reduce_scatter_tensor)
             bucket.works = [reduce_scatter(bucket.result, buf.reshape(-1), group=self.group, async_op=True)]
+            record("grad_reduce", (self.world - 1) * bucket.width * buf.element_size())
         self.in_flight.append(bucket)
         limit = 2 if self.settings.overlap_comm else 0
         while len(self.in_flight) > limit:
@@ -214,10 +232,14 @@ class ReduceScatter:
             bucket.received = None
         else:
             result = bucket.result
+        world = self.world
+        if self.replica is not None and self.replica.world > 1:  # MiCS: the shard's sum over every shard group
+            all_reduce_sum(result, self.replica.group, self.replica.world, self.comm, "grad_replica")
+            world *= self.replica.world
         if self.settings.prescale_gradients:
-            result.mul_(self.settings.gradient_predivide_factor / self.world)
+            result.mul_(self.settings.gradient_predivide_factor / world)
         else:
-            result.div_(self.world)
+            result.div_(world)
         for i, p in enumerate(bucket.params):
             self.add_to_partition(p, result.narrow(0, bucket.columns[i], p.ds_tensor.numel()))
         # back to the pool, not kept by the bucket: one buffer per bucket would hold a whole model's gradients
