@@ -5,7 +5,8 @@ groups a data-parallel group (data parallel = world / autotp_size); they are reg
 ``deepspeed.utils.groups``, ZeRO (reduces over the data-parallel group) and gradient clipping (norm summed over
 the tensor group, replicated parameters counted once) all see them. Layer rules, by priority:
 ``partition_config`` > the model's Hugging Face ``base_model_tp_plan`` > ``preset_model`` / AutoTP heuristics.
-Checkpoints keep full (gathered) weights in the model states, so they load into a model without TP.
+Checkpoints keep full (gathered) weights in the model states, so they load into a model without TP or at
+another TP size (the weights; optimizer states only at the saved size).
 """
 
 from __future__ import annotations
@@ -223,13 +224,15 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
 
 class AutoTPCheckpointShards:
     """Checkpoint extension: the model states hold full weights (gathered over the tensor group at save, each
-    rank's shard cut out again at load), so ``mp_rank_00_model_states.pt`` loads into a model without TP."""
+    rank's shard cut out again at load), so ``mp_rank_00_model_states.pt`` loads into a model without TP, and the
+    weights load at another ``autotp_size`` (optimizer states only at the saved one: ``checkpointing._tp_resize``)."""
 
     owns_optimizer_state = False
     owns_module_state = False
 
     def __init__(self, module: torch.nn.Module, tp_size: int) -> None:
         self.module, self.tp_size = module, tp_size
+        self.autotp_size = tp_size  # read by the checkpoint loader: loads across TP sizes (see _tp_resize)
 
     def model_state_extras(self) -> dict[str, Any]:
         return {"autotp_size": self.tp_size}

@@ -47,6 +47,9 @@ Behaviour:
   rank 0 of every node write the model states and ``latest``; ``parallel_write.pipeline_stage`` spreads a
   stage's ``layer_XX-model_YY-model_states.pt`` files over its data-parallel ranks (:class:`PipelineLayerShards`,
   :func:`pipeline_layer_range`).
+- AutoTP (``tensor_parallel.autotp_size``) files hold the full weights, so they load at another TP size (a rank
+  whose ``mp_rank_XX`` file a smaller TP size never wrote reads ``mp_rank_00``); optimizer states only at the
+  saved size: otherwise :class:`CheckpointError` before anything is loaded, naming both sizes (``_tp_resize``).
 - Atomic: every file is written under a temporary name in its directory, fsynced, renamed, and the directory
   fsynced; ``latest`` is written last, once every rank reports its files complete. A crash mid-save leaves
   the previous checkpoint and ``latest`` intact.

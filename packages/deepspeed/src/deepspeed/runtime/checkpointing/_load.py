@@ -14,6 +14,7 @@ from deepspeed.runtime.checkpointing._serialize import load_file
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
 from deepspeed.runtime.checkpointing._sync import check_same_call, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
+from deepspeed.runtime.checkpointing._tp_resize import check_tp_resize, fallback_model_states_path
 from deepspeed.utils.logging import logger
 
 _OP = "load_checkpoint"
@@ -73,8 +74,9 @@ def _model_states_path(state: EngineState, tag_dir: str) -> str:
     """``mp_rank_XX_model_states.pt``, or with ZeRO-3 this rank's own file (rank 0's when the checkpoint was
     saved by fewer ranks: buffers and counters are the same in every rank's file)."""
     per_rank = per_rank_model_states(state)
-    if per_rank is None:
-        return os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
+    if per_rank is None:  # an AutoTP rank a smaller TP size wrote no file for reads mp_rank_00's full weights
+        own = os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
+        return fallback_model_states_path(state, tag_dir, own)
     own = os.path.join(tag_dir, per_rank(state.parallel.dp_rank, state.parallel.mp_rank))
     return own if os.path.isfile(own) else os.path.join(tag_dir, per_rank(0, state.parallel.mp_rank))
 
@@ -148,6 +150,7 @@ def _restore(state: EngineState, path: str, tag_dir: str, load_module_strict: bo
         return load_file(os.path.join(tag_dir, name), trusted=state.trusted_load)
 
     checkpoint = _read_model_states(state, path)
+    check_tp_resize(state, checkpoint, path, load_optimizer_states, load_module_only)  # before any state changes
     if not state.module_in_shards():
         weights = checkpoint["module"]
         for shard in state.shards:  # weights kept in the extension's own files (MoE experts) join the rest
