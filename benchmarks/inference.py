@@ -15,7 +15,8 @@ uses one.
    2})``; median ms of one forward over the prompt (prefill) and of one greedy generate, slowest rank, after a
    barrier; against the same numbers of the tp 1 engine measured in this process before the ranks start.
 3. Memory, by accounting (bytes of the parameters and buffers the module holds; a tied tensor counts once): the
-   fp32 model, the bf16 engine, the int8 engine; ratios against fp32.
+   fp32 model, the bf16 engine, the int8 engine (Linear and embedding weights int8, the tied lm_head sharing
+   the embedding's codes); ratios against fp32.
 
 Run: ``python benchmarks/inference.py`` (``--quick`` for a short run).
 """
@@ -156,18 +157,19 @@ def main() -> None:
 
     print("\n## 3. memory by accounting (parameters + buffers held)")
     fp32 = model_bytes(model)
-    linear = sum(m.weight.numel() * 4 for m in model.modules() if type(m).__name__ == "Conv1D")
-    print(f"{'model':<30}{'MiB':>9}{'vs fp32':>9}")
+    kinds = ("Conv1D", "Linear", "Embedding")  # GPT-2's lm_head is tied to wte: counted once
+    weights = {id(m.weight): m.weight.numel() * 4 for m in model.modules() if type(m).__name__ in kinds}
+    print(f"{'model':<34}{'MiB':>9}{'vs fp32':>9}")
     for label, dtype in (("fp32 (plain)", None), ("bf16 engine", torch.bfloat16), ("int8 engine", torch.int8)):
         size = fp32 if dtype is None else model_bytes(init_inference(copy.deepcopy(model), dtype=dtype).module)
-        print(f"{label:<30}{size / 2**20:>9.2f}{size / fp32:>9.3f}")
+        print(f"{label:<34}{size / 2**20:>9.2f}{size / fp32:>9.3f}")
     int8 = init_inference(copy.deepcopy(model), dtype=torch.int8).module
     held = sum(b.numel() * b.element_size() for n, b in int8.named_buffers()
                if n.endswith(("weight_q", "weight_scale")))
-    print(f"{'int8 Linear weights only':<30}{held / 2**20:>9.2f}{held / linear:>9.3f}  (vs their fp32 bytes)")
-    print(f"(Linear weights are {linear / fp32:.0%} of the fp32 bytes; the tied embedding / lm_head, biases and "
+    print(f"{'int8 weights + scales only':<34}{held / 2**20:>9.2f}{held / sum(weights.values()):>9.3f}"
+          "  (vs their fp32 bytes)")
+    print(f"(Linear and embedding weights are {sum(weights.values()) / fp32:.1%} of the fp32 bytes; biases and "
           "norms stay fp32)")
-
 
 if __name__ == "__main__":
     main()

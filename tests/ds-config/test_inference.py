@@ -61,6 +61,7 @@ def test_aliases():
     assert cfg.checkpoint_config.checkpoint_dir == "/ckpt"
     assert cfg.injection_policy == {"Block": ("attn.out", "mlp.out")}
     assert cfg.config == {"hidden": 8} and (cfg.max_out_tokens, cfg.min_out_tokens) == (2048, 16)
+    assert infer({"min_tokens": 0}).min_out_tokens == 0  # a plain int in DeepSpeed: "no minimum" is valid
     moe = infer({"moe": {"num_experts": [8], "expert_group": "g", "type": "residual"}}).moe
     assert moe.moe_experts == [8] and moe.ep_group == "g" and moe.type is MoETypeEnum.residual
 
@@ -130,6 +131,9 @@ def test_assignment_converts_dtype():
     ({"tp": {"tp_sise": 2}}, "tp.tp_sise", "did you mean 'tp_size'"),
     ({"min_tokens": 4096}, "min_tokens", "max_out_tokens"),
     ({"max_out_tokens": 0}, "max_out_tokens", "greater than or equal to 1"),
+    ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+    ({"max_tokens": 8, "max_out_tokens": 8}, "max_tokens", "given twice, as 'max_out_tokens' and 'max_tokens'"),
+    ({"moe": {"num_experts": [2], "moe_experts": [2]}}, "moe.num_experts", "'moe_experts' and 'num_experts'"),
     ({"training_mp_size": 2.5}, "training_mp_size", "fractional"),
     ({"moe": {"num_experts": [0]}}, "moe.num_experts[0]", "greater than or equal to 1"),
     ({"moe": {"type": "dense"}}, "moe.type", "'residual' or 'standard'"),

@@ -11,10 +11,11 @@ from torch import nn
 from ds_inference.quantization import (
     QuantizedWeight,
     dequantize,
+    dequantize_rows,
     is_quantized,
     model_bytes,
     quantize,
-    quantize_linear_weights,
+    quantize_weights,
 )
 
 
@@ -64,22 +65,56 @@ def test_bad_settings_name_the_key():
 
 
 @torch.no_grad()
-def test_linear_weights_dequantized_on_the_fly_tied_weights_kept():
+def test_linear_and_embedding_weights_dequantized_on_the_fly_tied_ones_shared():
     torch.manual_seed(0)
     emb = nn.Embedding(16, 64)
     head = nn.Linear(64, 16, bias=False)
-    head.weight = emb.weight  # tied: stays float
+    head.weight = emb.weight  # tied: quantized once, the int8 buffers shared by both modules
     model = nn.Sequential(emb, nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), head)
     before = model_bytes(model)
     ids = torch.randint(0, 16, (3, 5))
     expected = model(ids)
-    names = quantize_linear_weights(model, 8, groups=4)
-    assert names == ["1", "3"] and is_quantized(model[1]) and not is_quantized(model[5])
-    assert "weight" not in dict(model[1].named_parameters()) and model[5].weight is model[0].weight
+    names = quantize_weights(model, 8, groups=4)
+    assert names == ["0", "1", "3", "5"] and all(is_quantized(model[int(n)]) for n in names)
+    assert model[5].weight_q is model[0].weight_q and model[5].weight_scale is model[0].weight_scale
+    assert [n for n, _ in model.named_parameters()] == ["1.bias", "3.bias", "4.weight", "4.bias"]
     after = model_bytes(model)
-    # 2 x 16384 fp32 weights -> int8 + 4 scales each; the rest (embedding, biases, norm) unchanged
-    assert before - after == 2 * (16384 * 3 - 4 * 4)
+    # 2 x 16384 + 1024 fp32 weights -> int8 + 4 fp32 scales each (the tied one counted once); the rest unchanged
+    assert before - after == 2 * (16384 * 3 - 4 * 4) + (1024 * 3 - 4 * 4)
     got = model(ids)
-    assert not hasattr(model[1], "weight")  # the float weight only lives while the layer runs
+    assert all(model[i].weight is None for i in (0, 1, 3, 5))  # the float weight only lives while its layer runs
     assert 0 < (got - expected).abs().max().item() < 0.02 * expected.abs().max().item()  # measured ~0.8%
-    assert quantize_linear_weights(model) == []  # idempotent
+    assert quantize_weights(model) == []  # idempotent
+    # an embedding lookup comes back in the table's own dtype (its int64 input carries none)
+    half = nn.Embedding(8, 4).half()
+    quantize_weights(half)
+    assert half(torch.tensor([1, 2])).dtype == torch.float16
+
+
+@torch.no_grad()
+def test_embedding_lookup_dequantizes_only_its_rows_exactly():
+    torch.manual_seed(0)
+    emb = nn.Embedding(12, 6, padding_idx=11)
+    # 72 elements in 24 groups of 3: the groups do not align with the rows of 6
+    qw = quantize(emb.weight, 8, 24, "asymmetric")
+    ids = torch.tensor([[11, 3, 3], [0, 7, 11]])
+    assert torch.equal(dequantize_rows(qw, torch.tensor([0, 3, 11])), dequantize(qw)[[0, 3, 11]])
+    quantize_weights(emb, 8, groups=24, q_type="asymmetric")
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, dequantize(qw)))
+    assert emb.padding_idx == 11 and emb.weight is None  # restored / dropped after the lookup
+    with pytest.raises(IndexError, match=r"ids must be in \[0, 12\), got -1..3"):
+        emb(torch.tensor([3, -1]))
+
+
+def test_weights_that_must_stay_float_and_errors_name_the_module():
+    shared = nn.Linear(4, 4)
+    other = nn.Module()
+    other.kernel = shared.weight  # the same tensor under another name: quantizing it would break ``other``
+    renorm = nn.Embedding(8, 4, max_norm=1.0)  # renormalises its stored rows in place on lookup
+    model = nn.ModuleDict({"shared": shared, "other": other, "renorm": renorm, "odd": nn.Linear(3, 3)})
+    assert quantize_weights(model, groups=1) == ["odd"]
+    assert not is_quantized(shared) and not is_quantized(renorm)
+    whole = nn.ModuleDict({"even": nn.Linear(4, 4), "odd": nn.Linear(3, 3)})
+    with pytest.raises(ValueError, match=r"^odd: quant.weight.q_groups=2 must divide the weight's 9 elements"):
+        quantize_weights(whole, groups=2)
+    assert not is_quantized(whole["even"])  # checked before anything was replaced: the model is left whole

@@ -141,6 +141,7 @@ class DSConfigModel(BaseModel):
                 {"details": details, "accepted": ", ".join(sorted(known)), "unknown": unknown,
                  "renamed": cls._renamed_keys()},
             )
+        _refuse_two_spellings(cls, data)
         data = dict(data)
         for name, field in cls.model_fields.items():
             for key in _input_keys(name, field):
@@ -151,6 +152,19 @@ class DSConfigModel(BaseModel):
                 elif (dep := _marker(field, Deprecated)) is not None:
                     _migrate(data, key, dep)
         return data
+
+
+def _refuse_two_spellings(cls: type[BaseModel], data: dict) -> None:
+    """One key given by its name and its alias (``max_tokens`` and ``max_out_tokens``): pydantic would keep one
+    and call the other unknown, so say what really happened."""
+    for name, field in cls.model_fields.items():
+        given = [key for key in _input_keys(name, field) if key in data]
+        if len(given) > 1:
+            raise PydanticCustomError(
+                "duplicate_key",
+                "given twice, as {spellings} (spellings of one key): give it once",
+                {"spellings": " and ".join(f"'{k}'" for k in given), "field": given[-1]},
+            )
 
 
 def is_own_state(cls: type[BaseModel], data: dict, info: ValidationInfo) -> bool:
@@ -260,6 +274,9 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
                 p = join_path(path, *loc, key)
                 merged.setdefault(p, []).append(_unknown_key_message(str(key), _known_at(err),
                                                                      err["ctx"].get("renamed", {})))
+            continue
+        if err["type"] == "duplicate_key":
+            merged.setdefault(join_path(path, *loc, err["ctx"]["field"]), []).append(err["msg"])
             continue
         nested = (err.get("ctx") or {}).get("error")
         if isinstance(nested, ConfigError):  # a cross-field check that already names its key paths

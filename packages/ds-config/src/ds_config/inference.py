@@ -25,7 +25,7 @@ from ds_config._inference_parts import (
     QuantizationConfig,
     WeightQuantConfig,
 )
-from ds_config._typed_section import Bool, PosInt, SectionModel, deprecated_field
+from ds_config._typed_section import Bool, NonNegInt, PosInt, SectionModel, deprecated_field
 from ds_config.zero import DeepSpeedZeroConfig
 
 __all__ = [
@@ -113,7 +113,7 @@ class DeepSpeedInferenceConfig(SectionModel):
     max_out_tokens: PosInt = Field(1024, alias="max_tokens")
     """Maximum tokens (input + output) the engine works with."""
 
-    min_out_tokens: PosInt = Field(1, alias="min_tokens")
+    min_out_tokens: NonNegInt = Field(1, alias="min_tokens")
     """Minimum tokens the caller expects to generate; the runtime errors early if it cannot provide them."""
 
     transposed_mode: Bool = False

@@ -54,12 +54,19 @@ def tensor_parallel_group(tp: DeepSpeedTPConfig) -> Any | None:
 
 def _check_injection_policy(model: nn.Module, policy: dict[Any, Any]) -> None:
     """DeepSpeed's rule: each entry maps an nn.Module class (or class name) to the names of its all-reduce
-    (row-parallel) Linear layers, which must exist in the model."""
+    (row-parallel) Linear layers, which must exist in the model, or to a kernel-injection policy class
+    (``{BertLayer: HFBertLayerPolicy}``), whose block AutoTP then shards by its heuristics."""
     names = [name for name, _ in model.named_modules()]
     for client, layers in policy.items():
         if not (isinstance(client, str) or (isinstance(client, type) and issubclass(client, nn.Module))):
             raise TypeError(f"injection_policy: key {client!r} must be a torch.nn.Module subclass (or its name)")
-        for layer in (layers,) if isinstance(layers, str) else tuple(layers):
+        if isinstance(layers, type):
+            continue
+        wanted = (layers,) if isinstance(layers, str) else tuple(layers) if isinstance(layers, (list, tuple)) else ()
+        if not wanted or not all(isinstance(layer, str) for layer in wanted):
+            raise TypeError(f"injection_policy: the value for {client!r} must name its all-reduce linears (a string "
+                            f"or a tuple of strings) or be a policy class, got {layers!r}")
+        for layer in wanted:
             if not any(name.endswith(layer) for name in names):
                 raise ValueError(f"injection_policy: layer {layer!r} (for {client!r}) matches no module of the "
                                  "model; give the suffix of a module name, e.g. 'attn.out_proj'")

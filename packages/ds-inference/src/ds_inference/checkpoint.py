@@ -6,11 +6,14 @@ Checkpoint JSON (a file path or the same dict)::
      "parallelization": "tp", "tp_size": 2, "dtype": "float32",
      "checkpoints": {"non_tp": ["non-tp.pt"], "tp": ["tp_00_00.pt", "tp_01_00.pt"]}}
 
-``checkpoints`` may also be a plain list: one file per rank of a model-parallel run (``tp_size`` or
-``training_mp_size`` of them; a single file is a full state dict). ``tp`` files are rank-major as DeepSpeed names
-them (``tp_<rank>_<part>.pt``; file ``i`` belongs to rank ``i % tp_size``); ``non_tp`` files hold replicated
-tensors. A directory is read as DeepSpeed's layout (``ds_inference_config.json`` inside it, else
-``[<tag from latest>/]mp_rank_XX_model_states.pt``).
+``checkpoints`` may also be a plain list. As DeepSpeed reads it (``parallelization`` defaults to "pp"), its
+files are parts of one full state dict, loaded in turn (a Hugging Face sharded checkpoint, a single full file);
+with ``parallelization: "tp"``, type Megatron or ``training_mp_size`` > 1 they are one file per rank of a
+model-parallel run (``tp_size``/``mp_size``/``training_mp_size`` ranks). ``tp`` files are listed part by part,
+rank by rank within a part, as DeepSpeed names them (``tp_<rank>_<part>.pt``; file ``i`` belongs to rank
+``i % tp_size``); ``non_tp`` files hold replicated tensors. ``type``: 'ds_model', 'bloom' or 'Megatron'.
+A directory is read as DeepSpeed's layout (``ds_inference_config.json`` inside it, else
+``[<tag from latest>/]mp_rank_XX_model_states.pt``, one file per rank).
 
 Re-sharding goes through full tensors: the shards of every split tensor are put back together (exactly where
 the checkpoint records each rank's ``(start, length)`` ranges, as this module writes them; else by
@@ -49,7 +52,7 @@ class CheckpointDescription:
     tp_files: list[str]
     non_tp_files: list[str] = field(default_factory=list)
     layouts: dict[str, Any] = field(default_factory=dict)
-    parallelization: str = "tp"
+    parallelization: str = "pp"
 
     def rank_files(self, rank: int) -> list[str]:
         """The files that hold source rank ``rank``'s shards."""
@@ -68,7 +71,7 @@ def _from_directory(path: str, training_mp_size: int) -> dict[str, Any]:
     if not files:
         raise ValueError(f"checkpoint: directory {path!r} holds neither {CONFIG_NAME} nor "
                          "mp_rank_XX_model_states.pt files")
-    return {"type": "ds_model", "version": 1.0, "base_dir": tag_dir, "checkpoints": files,
+    return {"type": "ds_model", "version": 1.0, "base_dir": tag_dir, "checkpoints": files, "parallelization": "tp",
             "tp_size": len(files) if training_mp_size == 1 else training_mp_size}
 
 
@@ -95,6 +98,28 @@ def _as_dict(checkpoint: str | dict[str, Any], training_mp_size: int) -> dict[st
             "checkpoints": [os.path.basename(path)]}
 
 
+_TYPES = ("ds_model", "bloom", "megatron")
+
+
+def _file_lists(data: dict[str, Any], training_mp_size: int) -> tuple[list[str], list[str], int]:
+    """(tp files, non-tp files, tp size); see the module docstring for what a plain list means."""
+    files = data["checkpoints"]
+    declared = data.get("tp_size") or data.get("mp_size")
+    if isinstance(files, dict):
+        tp_files, non_tp = list(files.get("tp", [])), list(files.get("non_tp", []))
+    elif isinstance(files, (list, tuple)) and files:
+        per_rank = (data.get("parallelization") == "tp" or training_mp_size > 1
+                    or str(data["type"]).lower() == "megatron")
+        tp_files, non_tp = (list(files), []) if per_rank else ([], list(files))
+    else:
+        raise ValueError(f"checkpoint.checkpoints must be a non-empty list or a dict with 'tp'/'non_tp' lists, "
+                         f"got {files!r}")
+    size = int(declared or (training_mp_size if training_mp_size > 1 else max(len(tp_files), 1)))
+    if tp_files and len(tp_files) % size:
+        raise ValueError(f"checkpoint: {len(tp_files)} tp files cannot be split over tp_size={size}")
+    return tp_files, non_tp, size if tp_files else 1
+
+
 def describe_checkpoint(checkpoint: str | dict[str, Any], base_dir: str = "",
                         training_mp_size: int = 1) -> CheckpointDescription:
     """Parse a checkpoint path/JSON/dict; ``base_dir`` (the config's) wins over the JSON's own."""
@@ -102,26 +127,18 @@ def describe_checkpoint(checkpoint: str | dict[str, Any], base_dir: str = "",
     for key in ("type", "checkpoints"):
         if key not in data:
             raise ValueError(f"checkpoint: the checkpoint JSON needs {key!r} (has: {sorted(data)})")
-    if data.get("parallelization", "tp") not in ("tp", "pp"):
+    if str(data["type"]).lower() not in _TYPES:
+        raise ValueError(f"checkpoint.type={data['type']!r} is not supported; accepted: 'ds_model', 'bloom', "
+                         "'Megatron'")
+    if data.get("parallelization", "pp") not in ("tp", "pp"):
         raise ValueError(f"checkpoint.parallelization={data['parallelization']!r}; accepted: 'tp', 'pp'")
     root = base_dir or data.get("base_dir") or ""
-    files = data["checkpoints"]
-    if isinstance(files, dict):
-        tp_files, non_tp = list(files.get("tp", [])), list(files.get("non_tp", []))
-    elif isinstance(files, (list, tuple)) and files:
-        tp_files, non_tp = list(files), []
-    else:
-        raise ValueError(f"checkpoint.checkpoints must be a non-empty list or a dict with 'tp'/'non_tp' lists, "
-                         f"got {files!r}")
-    size = int(data.get("tp_size") or data.get("mp_size") or (training_mp_size if training_mp_size > 1
-                                                               else max(len(tp_files), 1)))
-    if tp_files and len(tp_files) % size:
-        raise ValueError(f"checkpoint: {len(tp_files)} tp files cannot be split over tp_size={size}")
+    tp_files, non_tp, size = _file_lists(data, training_mp_size)
     join = (lambda f: os.path.join(root, f)) if root else (lambda f: f)
     return CheckpointDescription(type=str(data["type"]), version=float(data.get("version", 1.0)), base_dir=root,
-                                 tp_size=size if tp_files else 1, tp_files=[join(f) for f in tp_files],
+                                 tp_size=size, tp_files=[join(f) for f in tp_files],
                                  non_tp_files=[join(f) for f in non_tp], layouts=data.get("tp_layouts", {}),
-                                 parallelization=data.get("parallelization", "tp"))
+                                 parallelization=data.get("parallelization", "pp"))
 
 
 def _load_file(path: str) -> dict[str, torch.Tensor]:

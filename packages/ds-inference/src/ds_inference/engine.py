@@ -2,9 +2,9 @@
 
 Set-up order: check the options this build runs on the plain torch path, materialise empty (meta) parameters,
 load a checkpoint (full tensors, re-assembled from any tensor-parallel size), shard with AutoTP, save the
-re-sharded checkpoint if asked, convert the dtype (int8: weight-only quantization of Linear weights), move to
-the accelerator. ``forward`` runs the module (replaying a CUDA graph when asked on a GPU); ``generate`` is the
-wrapped model's own ``generate`` with the ``max_tokens`` budget checked first.
+re-sharded checkpoint if asked, convert the dtype (int8: weight-only quantization of Linear and embedding
+weights), move to the accelerator. ``forward`` runs the module (replaying a CUDA graph when asked on a GPU);
+``generate`` is the wrapped model's own ``generate`` with the ``max_tokens`` budget checked first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ds_inference._config import build_config
 from ds_inference._cuda_graph import CudaGraphRunner
 from ds_inference._tp import shard_model, tensor_parallel_group
 from ds_inference.checkpoint import describe_checkpoint, read_full_state_dict, save_tp_checkpoint
-from ds_inference.quantization import quantize_linear_weights
+from ds_inference.quantization import quantize_weights
 
 __all__ = ["InferenceEngine", "TokenLimitError"]
 
@@ -70,6 +70,21 @@ def _check_meta_buffers(model: nn.Module) -> None:
                          "model under torch.device('meta') except its rotary embedding) before init_inference")
 
 
+def _materialize_meta(model: nn.Module) -> None:
+    """Give every meta parameter and buffer uninitialised CPU storage (the checkpoint fills it), keeping tied
+    parameters tied; unlike ``to_empty`` this leaves tensors that are already real (a rotary table) alone."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                if id(param) not in done:
+                    done[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad)
+                module._parameters[name] = done[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_like(buf, device="cpu")
+
+
 class InferenceEngine(nn.Module):
     """Wraps a model for inference; ``engine.module`` is the (converted, possibly sharded) model."""
 
@@ -107,13 +122,13 @@ class InferenceEngine(nn.Module):
     def _load_checkpoint(self) -> None:
         cfg = self._config
         source = self._checkpoint_source()
-        on_meta = any(p.is_meta for p in self.module.parameters())
-        if on_meta or cfg.set_empty_params:
-            if source is None:
-                raise ValueError("the model has empty (meta) parameters (set_empty_params) but no 'checkpoint' "
-                                 "was given to fill them")
+        on_meta = any(t.is_meta for t in (*self.module.parameters(), *self.module.buffers()))
+        if (on_meta or cfg.set_empty_params) and source is None:
+            raise ValueError("the model has empty (meta) parameters (set_empty_params) but no 'checkpoint' "
+                             "was given to fill them")
+        if on_meta:
             _check_meta_buffers(self.module)
-            self.module.to_empty(device="cpu")
+            _materialize_meta(self.module)
         if source is None:
             return
         desc = describe_checkpoint(source, cfg.base_dir or cfg.checkpoint_config.base_dir or "",
@@ -136,10 +151,12 @@ class InferenceEngine(nn.Module):
         cfg = self._config
         if cfg.dtype is DtypeEnum.int8:
             weight = cfg.quant.weight
-            if not (cfg.quant.enabled and weight.enabled):
-                raise ValueError("dtype=int8 needs weight quantization; quant.enabled and quant.weight.enabled are "
-                                 "off")
-            return quantize_linear_weights(self.module, weight.num_bits, weight.q_groups, weight.q_type)
+            off = [key for key, on in (("quant.enabled", cfg.quant.enabled), ("quant.weight.enabled", weight.enabled))
+                   if not on]
+            if off:
+                raise ValueError(f"dtype=int8 is weight-only int8 quantization, but {' and '.join(off)} = False; "
+                                 "set it to True or pick a float dtype (fp16, bf16, fp32)")
+            return quantize_weights(self.module, weight.num_bits, weight.q_groups, weight.q_type)
         self.module.to(getattr(torch, cfg.dtype.torch_name))
         return []
 
@@ -151,7 +168,8 @@ class InferenceEngine(nn.Module):
         return self.module(*inputs, **kwargs)
 
     def _token_budget(self, inputs: tuple, kwargs: dict[str, Any]) -> None:
-        ids = kwargs.get("input_ids", inputs[0] if inputs else None)
+        # HF generate takes the prompt as its first argument, ``inputs=`` or ``input_ids=``
+        ids = kwargs.get("input_ids", kwargs.get("inputs", inputs[0] if inputs else None))
         if not isinstance(ids, torch.Tensor):
             return
         prompt = ids.shape[-1]
