@@ -156,6 +156,24 @@ def test_distributed_analyzer_on_two_ranks_writes_the_same_index(index, tmp_path
     assert _items(os.path.join(str(tmp_path), "total", "total_metric_value")) == [[sum(map(difficulty_of, range(N)))]]
 
 
+def _two_values_per_sample(save_path: str) -> str:
+    from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DistributedDataAnalyzer
+
+    analyzer = DistributedDataAnalyzer(ToyDataset(), batch_size=5, metric_names=["pair"],
+                                       metric_functions=[lambda b: b.clone()],  # [id, difficulty]: 2 per sample
+                                       metric_types=["single_value_per_sample"], save_path=save_path, device="cpu")
+    try:
+        analyzer.run_map_reduce()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_distributed_analyzer_rejects_several_values_per_sample(tmp_path):
+    message, = run_distributed(_two_values_per_sample, world_size=1, args=(str(tmp_path),), timeout=60)
+    assert "'pair' is single_value_per_sample but its function returned 10 values for a batch of 5" in message
+
+
 def test_analyzer_bad_input_is_named(tmp_path):
     kw = dict(metric_names=["m"], metric_functions=[difficulty_metric], metric_dtypes=[np.int64],
               save_path=str(tmp_path))
@@ -279,3 +297,22 @@ def test_two_ranks_get_disjoint_halves_of_the_same_global_batch(index, tmp_path)
     assert batches[0] == [ids for _, _, ids in _walk(reference, 8)]  # one rank drawing 6 = two ranks drawing 3
     for whole in batches[0]:
         assert len(whole) == 6
+
+
+def _cluster_paths_after(config: dict, count: int) -> list[str]:
+    sampler = DeepSpeedDataSampler(config, N, 2, dist.get_rank(), 2, None, 1, dist.get_rank())
+    _walk(sampler, count)
+    return list(sampler.data_cluster_paths)
+
+
+def test_ranks_agree_on_clusters_despite_a_stale_cluster_file(index, tmp_path):
+    """Difficulty 12 -> 13 -> 14 admits no sample after 12 (the toy's values are 1..12): rank 0 writes no cluster
+    for 13 or 14, and a stale ``cluster_difficulty14`` file left by an earlier run must not make rank 1 count one."""
+    path = tmp_path / "stale"
+    path.mkdir()
+    for ext in ("bin", "idx"):
+        (path / f"cluster_{METRIC}14.{ext}").write_bytes(b"")
+    config = data_efficiency(index, str(path), min_difficulty=12, max_difficulty=14,
+                             schedule_config={"total_curriculum_step": 2, "difficulty_step": 1})
+    paths = run_distributed(_cluster_paths_after, world_size=2, args=(config, 4), timeout=60)
+    assert paths[0] == paths[1] == [f"cluster_{METRIC}13"]

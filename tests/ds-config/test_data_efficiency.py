@@ -71,9 +71,11 @@ def test_documented_defaults():
 def test_dynamic_batching_defaults():
     db = parse({}).data_sampling.dynamic_batching
     assert db.model_dump() == {
-        "enabled": False, "seqlen_sample_to_metric_path": None, "lr_scaling_method": "linear",
-        "min_batch_size": 1, "max_batch_size": None, "dataloader_num_workers": 0, "dataloader_pin_memory": False,
-        "samples_order": "dataloader", "max_tokens_per_batch": None, "verbose": False}
+        "enabled": False, "metrics_path": None, "seqlen_sample_to_metric_path": None, "lr_scaling_method": "linear",
+        "min_batch_size": 1, "max_batch_size": None, "sequence_picking_order": "dataloader", "max_tokens": None,
+        "verbose": False}
+    assert db.seqlen_file_prefix() is None
+    assert parse({}).data_sampling.pin_memory is False  # DeepSpeed's data_sampling.pin_memory
 
 
 def test_reference_example_parses():
@@ -185,6 +187,10 @@ def test_percentile_range_and_order():
     with pytest.raises(ConfigError) as err:
         parse(data)
     assert err.value.paths == [f"{METRIC}.max_difficulty"]
+    metric.update(min_difficulty=0, max_difficulty=0)  # zero percentiles: the sampler would divide by zero
+    with pytest.raises(ConfigError, match="percentile max_difficulty must be within 1..100") as err:
+        parse(data)
+    assert err.value.paths == [f"{METRIC}.max_difficulty"]
     metric.update(difficulty_type="value", min_difficulty=50, max_difficulty=10)
     with pytest.raises(ConfigError, match="max_difficulty must be >= min_difficulty"):
         parse(data)
@@ -205,15 +211,39 @@ def test_enabled_sampling_curriculum_needs_cluster_path_and_metrics():
 def test_dynamic_batching_checks():
     with pytest.raises(ConfigError) as err:
         parse({"data_sampling": {"dynamic_batching": {"enabled": True}}})
-    assert err.value.paths == [f"{P}.data_sampling.dynamic_batching.max_tokens_per_batch"]
+    assert err.value.paths == [f"{P}.data_sampling.dynamic_batching.max_tokens"]
     with pytest.raises(ConfigError) as err:
         parse({"data_sampling": {"dynamic_batching": {"min_batch_size": 4, "max_batch_size": 2}}})
     assert err.value.paths == [f"{P}.data_sampling.dynamic_batching.max_batch_size"]
     with pytest.raises(ConfigError) as err:
         parse({"data_sampling": {"dynamic_batching": {"lr_scaling_method": "cubic"}}})
     assert err.value.paths == [f"{P}.data_sampling.dynamic_batching.lr_scaling_method"]
-    ok = parse({"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens_per_batch": 4096}}})
-    assert ok.data_sampling.dynamic_batching.max_tokens_per_batch == 4096
+    ok = parse({"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 4096}}})
+    assert ok.data_sampling.dynamic_batching.max_tokens == 4096
+    with pytest.raises(ConfigError) as err:
+        parse({"data_sampling": {"dynamic_batching": {"sequence_picking_order": "shortest"}}})
+    assert err.value.paths == [f"{P}.data_sampling.dynamic_batching.sequence_picking_order"]
+    assert "'random'" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse({"data_sampling": {"dynamic_batching": {"metrics_path": "a", "seqlen_sample_to_metric_path": "b"}}})
+    assert err.value.paths == [f"{P}.data_sampling.dynamic_batching.seqlen_sample_to_metric_path"]
+
+
+def test_dynamic_batching_first_release_names_are_deprecated():
+    with pytest.warns(FutureWarning, match="'max_tokens_per_batch' is deprecated; use 'max_tokens'"):
+        db = parse({"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens_per_batch": 64,
+                                                           "samples_order": "seqlen"}}}).data_sampling.dynamic_batching
+    assert db.max_tokens == 64 and db.sequence_picking_order == "seqlen"
+    assert "max_tokens_per_batch" not in db.model_dump() and "samples_order" not in db.model_dump()
+    with pytest.raises(ConfigError, match="give only 'max_tokens'"):
+        parse({"data_sampling": {"dynamic_batching": {"max_tokens_per_batch": 64, "max_tokens": 32}}})
+
+
+def test_dynamic_batching_seqlen_file_prefix():
+    db = parse({"data_sampling": {"dynamic_batching": {"metrics_path": "/m/"}}}).data_sampling.dynamic_batching
+    assert db.seqlen_file_prefix() == "/m/seqlen/seqlen_sample_to_metric"
+    db = parse({"data_sampling": {"dynamic_batching": {"seqlen_sample_to_metric_path": "/x/len"}}})
+    assert db.data_sampling.dynamic_batching.seqlen_file_prefix() == "/x/len"
 
 
 def test_unknown_key_did_you_mean_and_non_strict():

@@ -7,11 +7,11 @@ the missing key. The keys a curriculum ``schedule_config`` needs depend on ``sch
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from ds_config._base import DSConfigModel
+from ds_config._base import Deprecated, DSConfigModel
 from ds_config._errors import _MISSING, ConfigError, ConfigProblem, join_path
 
 ScheduleType = Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"]
@@ -152,6 +152,9 @@ class CurriculumMetricConfig(DSConfigModel):
                 if not 0 <= getattr(self, name) <= 100:
                     raise _error_at((name,), "a percentile difficulty must be within 0..100",
                                     getattr(self, name))
+            if self.max_difficulty < 1:  # the sampler splits the samples into max_difficulty percentiles
+                raise _error_at(("max_difficulty",), "a percentile max_difficulty must be within 1..100",
+                                self.max_difficulty)
         _check_difficulty_range(self)
         _check_schedule(self, self.schedule_type)
         return self
@@ -178,37 +181,56 @@ class DataSamplingCurriculumConfig(DSConfigModel):
 
 
 class DynamicBatchingConfig(DSConfigModel):
-    """``data_efficiency.data_sampling.dynamic_batching``: variable batch size by token count, with LR scaling."""
+    """``data_efficiency.data_sampling.dynamic_batching``: variable batch size by token budget, with LR scaling.
+
+    Keys and defaults are DeepSpeed's (``max_tokens``, ``sequence_picking_order``, ``metrics_path``); the names of
+    its first release (``max_tokens_per_batch``, ``samples_order``) are accepted with a deprecation warning.
+    """
 
     enabled: bool = False
-    """Pack samples into batches of up to ``max_tokens_per_batch`` tokens."""
+    """Pack samples into micro batches of at most ``max_tokens`` tokens (the batch size varies)."""
+    metrics_path: str | None = None
+    """DataAnalyzer output folder holding ``seqlen/seqlen_sample_to_metric`` (sample -> sequence length)."""
     seqlen_sample_to_metric_path: str | None = None
-    """Sequence-length metric file (sample -> length) from offline data analysis."""
+    """The sample -> sequence length file prefix itself (``.bin``/``.idx``); overrides ``metrics_path``."""
     lr_scaling_method: Literal["linear", "sqrt", "none"] = "linear"
-    """How the learning rate follows the batch size."""
+    """How the learning rate follows the batch size (relative to ``train_batch_size``)."""
     min_batch_size: int = Field(1, ge=1)
-    """Smallest batch (samples)."""
+    """Fewest samples in a micro batch."""
     max_batch_size: int | None = Field(None, ge=1)
-    """Largest batch (samples); None = no limit."""
-    dataloader_num_workers: int = Field(0, ge=0)
-    """Workers of the batching data loader."""
-    dataloader_pin_memory: bool = False
-    """Pin the batching data loader's memory."""
-    samples_order: Literal["dataloader", "random", "seqlen"] = "dataloader"
-    """Order in which samples are packed into batches."""
-    max_tokens_per_batch: int | None = Field(None, ge=1)
-    """Token budget of a batch (required when enabled)."""
+    """Most samples in a micro batch; None = only ``max_tokens`` limits it."""
+    sequence_picking_order: Literal["dataloader", "random", "seqlen"] = "dataloader"
+    """Order samples are packed in: dataset order, shuffled (``data_efficiency.seed``) or by ascending length."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Token budget (sum of sequence lengths) of one micro batch (required when enabled)."""
     verbose: bool = False
-    """Log the batches built."""
+    """Log every batch built and every scaled learning rate."""
+    max_tokens_per_batch: Annotated[int | None, Deprecated(new="max_tokens")] = Field(None, exclude=True)
+    """Deprecated name of ``max_tokens``."""
+    samples_order: Annotated[Literal["dataloader", "random", "seqlen"] | None,
+                             Deprecated(new="sequence_picking_order")] = Field(None, exclude=True)
+    """Deprecated name of ``sequence_picking_order``."""
 
     @model_validator(mode="after")
     def _complete_when_enabled(self) -> DynamicBatchingConfig:
         if self.enabled:
-            _require(self, ("max_tokens_per_batch",), "dynamic batching is enabled")
+            _require(self, ("max_tokens",), "dynamic batching is enabled")
         if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
             raise _error_at(("max_batch_size",), "max_batch_size must be >= min_batch_size ({lo})",
                             self.max_batch_size, lo=self.min_batch_size)
+        if self.metrics_path is not None and self.seqlen_sample_to_metric_path is not None:
+            raise _error_at(("seqlen_sample_to_metric_path",), "give either metrics_path (the DataAnalyzer folder) "
+                            "or seqlen_sample_to_metric_path (the file prefix), not both",
+                            self.seqlen_sample_to_metric_path)
         return self
+
+    def seqlen_file_prefix(self) -> str | None:
+        """Prefix of the sample -> sequence length ``MMapIndexedDataset`` files, or None when neither path is set."""
+        if self.seqlen_sample_to_metric_path is not None:
+            return self.seqlen_sample_to_metric_path
+        if self.metrics_path is None:
+            return None
+        return self.metrics_path.rstrip("/") + "/seqlen/seqlen_sample_to_metric"
 
 
 class DataSamplingConfig(DSConfigModel):
@@ -220,6 +242,8 @@ class DataSamplingConfig(DSConfigModel):
     """At most this many epochs of the original dataset are iterated."""
     num_workers: int = Field(0, ge=0)
     """Data loader workers."""
+    pin_memory: bool = False
+    """Pin the memory of the dynamic-batching data loader's batches."""
     curriculum_learning: DataSamplingCurriculumConfig = Field(default_factory=DataSamplingCurriculumConfig)
     """Curriculum learning by data sampling."""
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)

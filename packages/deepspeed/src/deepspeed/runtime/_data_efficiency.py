@@ -8,6 +8,10 @@ Random-LTD's consumed layer-tokens are saved in checkpoints (``random_ltd``), as
 Curriculum data sampling (``data_efficiency.data_sampling.curriculum_learning``) lives in the training data
 loader: :func:`dataloader_config` is what ``deepspeed_io`` hands ``DeepSpeedDataLoader`` so that it samples with
 ``DeepSpeedDataSampler``; the sampler's state is saved in checkpoints (``data_sampler``).
+
+Dynamic batching (``data_efficiency.data_sampling.dynamic_batching``) also lives in the training loader:
+:func:`dynamic_batching_io` gives ``deepspeed_io`` the token-budget micro batches and replaces the engine's LR
+schedule by a ``VariableBatchSizeLR`` wrapping it (saved in checkpoints as the ``lr_scheduler``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,33 @@ def dataloader_config(engine: Any, route: str) -> dict[str, Any] | None:
         "global_rank": engine.global_rank,
         "num_workers": config.data_efficiency.data_sampling.num_workers,
     }
+
+
+def dynamic_batching_enabled(config: Any) -> bool:
+    """Whether the training loader batches by token budget (DeepSpeed checks this key alone)."""
+    return bool(config.data_efficiency.data_sampling.dynamic_batching.enabled)
+
+
+def dynamic_batching_io(engine: Any, dataset: Any, route: str, data_sampler: Any,
+                        collate_fn: Any) -> dict[str, Any] | None:
+    """``DeepSpeedDataLoader`` arguments (dataset, batch_size, data_sampler, collate_fn, pin_memory,
+    num_local_io_workers) for a training loader with dynamic batching, else None; sets ``engine.lr_scheduler``
+    to the LR-scaling schedule. A caller's own ``data_sampler`` (e.g. DeepSpeed's ``deepspeed_io_kwargs`` from
+    ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``) is used as given."""
+    if route != "train" or data_sampler is not None or not dynamic_batching_enabled(engine._config):
+        return None
+    if curriculum_sampling_enabled(engine._config):
+        raise ValueError("data_efficiency.data_sampling: dynamic_batching and curriculum_learning cannot both be "
+                         "enabled for one training loader; accepted: one of them")
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import (
+        get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed,
+    )
+
+    _, scheduler, kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        dataset, engine, dataloader_collate_fn=collate_fn)
+    if scheduler is not None:
+        engine.lr_scheduler = scheduler
+    return kwargs
 
 
 def set_custom_schedule(engine: Any, schedule: Any) -> None:

@@ -2,7 +2,7 @@
 
 Served here: ``curriculum_scheduler`` (CurriculumScheduler), ``constants``, ``data_routing`` (RandomLTDScheduler,
 RandomLayerTokenDrop, convert_to_random_ltd) and ``data_sampling`` (DataAnalyzer, DeepSpeedDataSampler,
-MMapIndexedDataset).
+MMapIndexedDataset, dynamic batching in ``variable_batch_size_and_lr``).
 """
 
 from deepspeed._compat import submodule_getattr

@@ -97,6 +97,10 @@ class DistributedDataAnalyzer:
         for indices, data in zip(loader.batch_sampler, loader, strict=True):
             for m, (metric_type, function) in enumerate(zip(self.metric_types, self.metric_functions, strict=True)):
                 values = torch.as_tensor(function(data)).detach().cpu()
+                if metric_type == SINGLE_VALUE and values.numel() != len(indices):  # else values and ids misalign
+                    raise ValueError(f"DistributedDataAnalyzer: metric {self.metric_names[m]!r} is "
+                                     f"single_value_per_sample but its function returned {values.numel()} values "
+                                     f"for a batch of {len(indices)} samples")
                 if metric_type == SINGLE_VALUE:
                     results[m][0].append(values.reshape(-1).numpy().astype(np.int64))
                     results[m][1].append(np.asarray(sample_ids(data, len(indices), position, self.sample_indices)))

@@ -196,8 +196,8 @@ class DeepSpeedDataSampler:
                 self.data_cluster_sizes.append(len(self.data_clusters[-1][0]))
             else:
                 logger.info(f"no sample is newly admitted at difficulties {self.current_difficulties}; no cluster")
-        self._barrier()  # the file is complete before the other ranks look for it
-        if written or (not self.is_builder and os.path.isfile(f"{path}.bin")):
+        # rank 0 says whether it wrote the cluster (a stale file of that name from an earlier run must not count)
+        if self._broadcast(torch.tensor([int(written)], dtype=torch.long)).item():
             self.data_cluster_paths.append(name)
             self.data_cluster_current_position.append(0)
 
@@ -280,10 +280,6 @@ class DeepSpeedDataSampler:
     # ---- communication -----------------------------------------------------------------------------------
     def _distributed(self) -> bool:
         return self.data_parallel_size > 1 and dist.is_available() and dist.is_initialized()
-
-    def _barrier(self) -> None:
-        if self._distributed():
-            dist.barrier(group=self.data_parallel_group)
 
     def _broadcast(self, batch: torch.Tensor) -> torch.Tensor:
         if not self._distributed():
