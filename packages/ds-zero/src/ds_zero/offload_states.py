@@ -93,7 +93,8 @@ def _target(device: Any) -> torch.device:
     if kind is OffloadDeviceEnum.cpu:
         return _CPU
     why = {OffloadDeviceEnum.none: "'none' means no offload", OffloadDeviceEnum.nvme: "NVMe is not supported for "
-           "offloading states"}.get(kind, "unknown device")
+           "offloading states (as in DeepSpeed; NVMe holds states through offload_optimizer/offload_param device "
+           "'nvme', ZeRO-Infinity)"}.get(kind, "unknown device")
     raise ValueError(f"offload_states: device {device!r} is not supported ({why}); accepted: 'cpu' "
                      "(OffloadDeviceEnum.cpu)")
 
@@ -120,10 +121,11 @@ def _holders(opt: DeepSpeedZeroOptimizer, state: OffloadStateTypeEnum) -> list[A
     """The tensors (or, for ``lp_params``, the flat groups) that hold ``state``."""
     if state is OffloadStateTypeEnum.optim_states:
         return _optim_state_tensors(opt)
+    # ZeRO-Infinity: masters (and states) on NVMe and partitions on NVMe are off the accelerator already
     if state is OffloadStateTypeEnum.hp_params:
-        return [fg.master for fg in opt.groups]
+        return [fg.master for fg in opt.groups if not getattr(fg, "master_on_nvme", False)]
     if state is OffloadStateTypeEnum.lp_params:
-        return list(opt.groups)
+        return [fg for fg in opt.groups if fg.lp_flat is not None]
     if state is OffloadStateTypeEnum.lp_grads:
         return _grad_tensors(opt)
     return opt.reducer.buffers()

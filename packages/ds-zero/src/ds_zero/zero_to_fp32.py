@@ -291,6 +291,13 @@ def _fp32_groups(section: Mapping[str, Any], stage: int, path: str) -> list[torc
     return list(groups)
 
 
+def _mics_replicas(ranks: Any, world: int) -> bool:
+    """A MiCS checkpoint: ``k`` shard groups of ``world`` (partition_count) ranks each wrote files, ranks
+    ``0..k*world-1``; the first group's hold every partition."""
+    found = sorted(r for r in ranks if r is not None)
+    return len(found) > world and len(found) % world == 0 and found == list(range(len(found)))
+
+
 def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tensor]]]:
     """(zero stage, data-parallel world size, per rank: its fp32 partition of each param group)."""
     files = _rank_files(tag_dir, _OPTIM_STATES_RE)
@@ -302,6 +309,8 @@ def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tenso
     stage, world = _stage_and_world(loaded[min(files)], first)
     missing = sorted(set(range(world)) - set(files))
     extra = sorted(set(files) - set(range(world)))
+    if extra and _mics_replicas(files, world):  # MiCS: the other shard groups' files replicate ranks 0..world-1
+        extra = []
     if missing or extra:
         raise ZeroToFp32Error(
             f"{tag_dir}: the checkpoint was written by {world} data-parallel ranks (partition_count) but "
@@ -326,10 +335,10 @@ def _read_model_states(tag_dir: str, stage: int, world: int) -> list[tuple[str, 
     files = _rank_files(tag_dir, _MODEL_STATES_RE)
     ranked = sorted(rank for rank in files if rank is not None)
     if stage == 3 and ranked:
-        if ranked != list(range(world)):
+        if ranked != list(range(world)) and not _mics_replicas(ranked, world):
             raise ZeroToFp32Error(f"{tag_dir}: expected zero_pp_rank_<r>_mp_rank_00_model_states.pt for ranks "
                                   f"0..{world - 1}, found ranks {ranked}")
-        paths = [files[rank] for rank in ranked]
+        paths = [files[rank] for rank in range(world)]
     elif None in files:
         paths = [files[None]]
     else:

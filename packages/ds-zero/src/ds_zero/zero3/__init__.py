@@ -7,17 +7,19 @@
 - ``_reduce_scatter``: gradients into partitions during backward;
 - ``optimizer``: the ZeRO-3 optimizer wrapper; ``checkpoint``: its state dict;
 - ``init``: ``zero.Init``, ``GatheredParameters``, external parameters; ``leaf``: leaf modules;
-- ``tiled_linear``: ``TiledLinear``.
+- ``tiled_linear``: ``TiledLinear``; ``mics``: ``MiCS_Init`` (MiCS shard groups, with ``ds_zero.zeropp``).
 """
 
 from ds_zero.zero3._param import ZeroParamStatus, is_partitioned
 from ds_zero.zero3.init import GatheredParameters, Init, register_external_parameter, unregister_external_parameter
 from ds_zero.zero3.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from ds_zero.zero3.mics import MiCS_Init
 from ds_zero.zero3.tiled_linear import TiledLinear, TiledLinearReturnBias
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MiCS_Init",
     "TiledLinear",
     "TiledLinearReturnBias",
     "ZeroParamStatus",

@@ -147,17 +147,71 @@ def release_params(params: list[torch.nn.Parameter], **_: Any) -> None:
 
 def write_partition_from_full(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     """Copy this rank's slice of ``full`` (the whole value, any shape with ``ds_numel`` elements) into
-    ``ds_tensor``."""
+    ``ds_tensor`` (or, for a partition on NVMe, into its swap file)."""
     space = param.ds_space
     part = param.ds_tensor.numel()
     flat = full.reshape(-1)
     start = min(space.rank * part, flat.numel())
     end = min(start + part, flat.numel())
     with torch.no_grad():
+        if _swapper(param) is not None:
+            value = torch.zeros(part, dtype=param.ds_tensor.dtype)
+            value[:end - start].copy_(flat[start:end])
+            param.ds_swapper.write(param, value)
+            return
         param.ds_tensor.zero_()
         param.ds_tensor[:end - start].copy_(flat[start:end])
+
+
+def _swapper(param: Any) -> Any:
+    return getattr(param, "ds_swapper", None)
+
+
+def _by_swapper(params: list[torch.nn.Parameter]) -> dict[Any, list[torch.nn.Parameter]]:
+    out: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        swapper = _swapper(p)
+        if swapper is not None:
+            out.setdefault(swapper, []).append(p)
+    return out
+
+
+def swap_in_partitions(params: list[torch.nn.Parameter]) -> None:
+    """Partitions on NVMe (ZeRO-Infinity) become resident ``ds_tensor`` values, for a gather to read."""
+    for swapper, ps in _by_swapper(params).items():
+        swapper.swap_in(ps)
+
+
+def release_partitions(params: list[torch.nn.Parameter]) -> None:
+    """The gather that needed them is done: resident NVMe partitions go back to their files only."""
+    for swapper, ps in _by_swapper(params).items():
+        swapper.release(ps)
+
+
+def prefetch_partitions(params: list[torch.nn.Parameter]) -> None:
+    """Start reading NVMe partitions that will be gathered soon (as far as the swap buffers allow)."""
+    for swapper, ps in _by_swapper(params).items():
+        swapper.prefetch(ps)
+
+
+def partition_copy(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's partition in new memory, wherever it lives (its device, or the CPU when it is on NVMe)."""
+    swapper = _swapper(param)
+    return swapper.read_copy(param) if swapper is not None else param.ds_tensor.detach().clone()
 
 
 def full_from_pieces(pieces: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
     """The whole value from ``pieces`` (``[world, P]``: every rank's partition in rank order)."""
     return pieces.reshape(-1)[:param.ds_numel]
+
+
+def retarget_partition(param: torch.nn.Parameter, device: torch.device, dtype: torch.dtype) -> None:
+    """Move/cast the partition (``zero.Init`` built it for another device or dtype); one on NVMe stays on NVMe
+    and is rewritten in ``dtype``."""
+    swapper = _swapper(param)
+    if swapper is not None:
+        if param.ds_tensor.dtype != dtype:
+            swapper.convert(param, dtype)
+        return
+    param.ds_tensor = param.ds_tensor.to(device, dtype)
+    param.ds_tensor.ds_numel = param.ds_tensor.numel()

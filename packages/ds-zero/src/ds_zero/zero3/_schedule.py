@@ -27,7 +27,7 @@ import torch
 
 from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
 from ds_zero.zero3._linear import use_memory_efficient_linear
-from ds_zero.zero3._param import ZeroParamStatus, is_partitioned, release_one
+from ds_zero.zero3._param import ZeroParamStatus, is_partitioned, prefetch_partitions, release_one
 from ds_zero.zero3._prefetch import TraceCache, TraceSettings
 
 logger = logging.getLogger("DeepSpeed")
@@ -200,8 +200,10 @@ class ParamScheduler:
         self._after_own_backward = False
         self._landed: dict[int, set[int]] = {}  # unit id -> ds_ids whose gradient landed in this backward
         self._indexed_revision = -1
+        self._swappers: list[Any] | None = None
         self._params_cache: list[torch.nn.Parameter] | None = None  # unit id -> trace position of its last fetch
         self._handles: list[Any] = []
+        self.on_remove: list[Callable[[], None]] = []  # run by remove() (engine destroy): ZeRO-Infinity cleanup
         self._name_params()
         self._mark_persistent()
         self._install()
@@ -261,6 +263,11 @@ class ParamScheduler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for swapper in self.swappers():
+            swapper.close()
+        for callback in self.on_remove:
+            callback()
+        self.on_remove = []
         for module in self.root.modules():
             if isinstance(module._parameters, _ZeroParamDict):
                 module._parameters.scheduler_ref = None
@@ -400,6 +407,26 @@ class ParamScheduler:
             pending = start_gather(wanted)
             for p in wanted:
                 self.pending[p.ds_id] = pending
+        self._prefetch_from_nvme(trace, position)
+
+    def _prefetch_from_nvme(self, trace: Any, position: int) -> None:
+        """ZeRO-Infinity: start reading from NVMe the partitions of the units the trace says come after the
+        ones being gathered (twice the gather prefetch distance), so their gathers find them in memory; the
+        swapper stops at its buffer pool's size."""
+        if not self.swappers():
+            return
+        ahead = trace.ahead(position, 2 * max(self.trace_settings.prefetch_numel, 1))
+        params = [p for j in ahead for p in self.by_id[trace.units[j]].all_params()
+                  if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        prefetch_partitions(list(dict.fromkeys(params)))
+
+    def swappers(self) -> list[Any]:
+        """The ZeRO-Infinity parameter swappers holding partitions of this model (usually none or one)."""
+        if self._swappers is None:
+            found = {id(p.ds_swapper): p.ds_swapper for p in self.partitioned_params()
+                     if getattr(p, "ds_swapper", None) is not None}
+            self._swappers = list(found.values())
+        return self._swappers
 
     def release(self, unit: GatherUnit) -> None:
         for p in unit.all_params():
@@ -438,6 +465,8 @@ class ParamScheduler:
         self._fetched_at.clear()
         self._landed.clear()
         self._params_cache = None
+        for swapper in self.swappers():  # partitions read ahead for a pass that went elsewhere
+            swapper.release_all()
         if self.cache.end_pass() and self.settings.log_trace_cache_warnings:
             logger.warning("ZeRO-3: the order in which modules ran changed since the last pass; the prefetch trace "
                            "was rebuilt (dynamic models prefetch less)")

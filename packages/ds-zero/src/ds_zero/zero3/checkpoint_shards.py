@@ -9,6 +9,7 @@ with the flat fp32 partitions (``fp32_flat_groups``, see ``checkpoint``). Loadin
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,7 +17,16 @@ from typing import Any
 import torch
 
 from ds_zero.checkpoint import ZeroCheckpointShards, shared_params
-from ds_zero.zero3._param import write_partition_from_full
+from ds_zero.zero3._param import partition_copy
+from ds_zero.zeropp.frozen import is_stored_quantized, partition_values, write_full
+
+
+def _fragment(p: torch.nn.Parameter) -> torch.Tensor:
+    """A frozen parameter's partition as values: from NVMe (``partition_copy``), dequantized where it is stored
+    quantized, or the whole tensor of an unpartitioned parameter."""
+    if not hasattr(p, "ds_tensor"):
+        return p.detach().clone()
+    return partition_values(p).detach().clone() if is_stored_quantized(p) else partition_copy(p)
 
 
 def model_states_name(dp_rank: int, mp_rank: int = 0) -> str:
@@ -40,9 +50,10 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
             "param_shapes": [OrderedDict((name, p.ds_shape) for name, p in zip(g.names, g.params, strict=True))
                              for g in self.optimizer.groups],
             "frozen_param_shapes": {name: getattr(p, "ds_shape", p.shape) for name, p in frozen.items()} or None,
-            "frozen_param_fragments": {name: (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().clone()
-                                       for name, p in frozen.items()} or None,
+            "frozen_param_fragments": {name: _fragment(p) for name, p in frozen.items()} or None,
             "shared_params": shared_params(self.module),
+            # MiCS: frozen fragments are cut over the shard group, not the whole data-parallel group
+            **({"frozen_partition_count": int(getattr(self.optimizer, "world", 1))} if frozen else {}),
         }
 
     def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
@@ -51,6 +62,10 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         self._check_shapes(ctx, load)
         self._load_frozen(ctx, load)
         self.optimizer.restore_optimizer_state = not (ctx.load_module_only or not ctx.load_optimizer_states)
+        opt_world = getattr(self.optimizer, "world", ctx.parallel.dp_world_size)
+        if opt_world != ctx.parallel.dp_world_size:  # MiCS: the optimizer files are those of a shard group
+            ctx = dataclasses.replace(ctx, parallel=dataclasses.replace(ctx.parallel, dp_rank=self.optimizer.rank,
+                                                                        dp_world_size=opt_world))
         try:
             self._load_optimizer_files(ctx, load)
         finally:
@@ -116,7 +131,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         if not frozen:
             return
         own = load(self.model_states_name(0, ctx.parallel.mp_rank))
-        saved_world = int(own.get("dp_world_size") or 1)
+        saved_world = int(own.get("frozen_partition_count") or own.get("dp_world_size") or 1)
         states = [own] + [load(self.model_states_name(r, ctx.parallel.mp_rank)) for r in range(1, saved_world)]
         for name, param in frozen.items():
             pieces = [(sd.get("frozen_param_fragments") or {}).get(name) for sd in states]
@@ -127,7 +142,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
             if whole.numel() != param.ds_numel:
                 raise ValueError(f"{ctx.tag_dir}: frozen parameter {name!r} has {whole.numel()} elements in the "
                                  f"checkpoint and {param.ds_numel} (shape {tuple(param.ds_shape)}) in the model")
-            write_partition_from_full(param, whole.to(param.ds_tensor.dtype))
+            write_full(param, whole)  # (quantized again where zero_quantized_nontrainable_weights stores it so)
         self.optimizer.partitions_changed()
 
     def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:

@@ -108,25 +108,43 @@ def _config_dtype(cfg: dict[str, Any], dtype: torch.dtype | None) -> torch.dtype
     return torch.get_default_dtype()
 
 
+def mpu_partition_group(mpu: Any) -> Any:
+    """The group ZeRO-3 partitions over for a model-parallel unit: the sequence-data-parallel group when the mpu
+    has a sequence axis (what ``deepspeed.initialize`` partitions over), else its data-parallel group."""
+    sp = int(mpu.get_sequence_parallel_world_size()) if hasattr(mpu, "get_sequence_parallel_world_size") else 1
+    return mpu.get_sequence_data_parallel_group() if sp > 1 else mpu.get_data_parallel_group()
+
+
 def _remote_device(cfg: dict[str, Any], remote_device: Any) -> str:
     device = remote_device
     if device is None:
         offload = (cfg.get("zero_optimization") or {}).get("offload_param") or {}
         device = offload.get("device") if isinstance(offload, dict) else None
     device = str(getattr(device, "value", device) or "none").lower()
-    if device == "nvme":
-        raise ValueError("zero.Init: remote_device='nvme' (offload_param.device nvme, ZeRO-Infinity) is not available "
-                         "in this version; accepted: None/'none' (accelerator memory) or 'cpu'")
-    if device not in ("none", "cpu", "cuda"):
-        raise ValueError(f"zero.Init: remote_device={remote_device!r} is not a known device; accepted: None, 'cpu'")
+    if device not in ("none", "cpu", "cuda", "nvme"):
+        raise ValueError(f"zero.Init: remote_device={remote_device!r} is not a known device; accepted: None, 'cpu', "
+                         "'nvme'")
     return device
+
+
+def _nvme_swapper(cfg: dict[str, Any]) -> Any:
+    """``remote_device="nvme"``: a parameter swapper from the config's ``offload_param`` and ``aio`` sections."""
+    from ds_zero.swap import ParamSwapper
+    from ds_zero.swap.from_config import global_rank, param_swap_settings
+
+    section = (cfg.get("zero_optimization") or {}).get("offload_param") or {}
+    if not isinstance(section, dict) or not section.get("nvme_path"):
+        raise ValueError("zero.Init: remote_device='nvme' needs zero_optimization.offload_param.nvme_path (a "
+                         "directory on a local NVMe disk) in the config")
+    return ParamSwapper(param_swap_settings({**section, "device": "nvme"}, cfg.get("aio")), global_rank())
 
 
 class Init:
     """Partition the parameters of every module built inside the context (or of ``module``, at once).
 
-    ``data_parallel_group`` (or ``mpu.get_data_parallel_group()``, or ``zero_param_parallel_group``): the ranks
-    that share the partitions (default: the world). ``remote_device="cpu"`` keeps partitions in CPU memory.
+    ``data_parallel_group`` (or ``mpu_partition_group(mpu)``, or ``zero_param_parallel_group``): the ranks
+    that share the partitions (default: the world). ``remote_device="cpu"`` keeps partitions in CPU memory,
+    ``"nvme"`` in swap files under the config's ``offload_param.nvme_path`` (ZeRO-Infinity; or ``param_swapper``).
     ``dtype``: the partitions' dtype (default: fp16/bf16 from the config, else the default dtype).
     ``config_dict_or_path``/``config``: the DeepSpeed config (its ``zero_optimization`` and precision sections).
     ``enabled=False`` makes the context do nothing.
@@ -141,24 +159,24 @@ class Init:
         self.enabled = enabled
         if not enabled:
             return
-        for name, value in (("zero_quantized_weights", zero_quantized_weights),
-                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
-            if value:
-                raise ValueError(f"zero.Init: {name}=True (ZeRO++ qwZ) is not available in this version; "
-                                 "accepted: False")
-        if param_swapper is not None:
-            raise ValueError("zero.Init: param_swapper (NVMe parameter swapping) is not available in this version")
         _ensure_process_group()
         cfg = _read_config(config_dict_or_path, config)
         zero = cfg.get("zero_optimization") or {}
         self.override_module_apply = bool(zero.get("override_module_apply", True))
         group = zero_param_parallel_group or data_parallel_group or sequence_data_parallel_group
         if group is None and mpu is not None:
-            group = mpu.get_data_parallel_group()
+            group = mpu_partition_group(mpu)
         self.dtype = _config_dtype(cfg, dtype)
         compute = _compute_device()
         where = _remote_device(cfg, remote_device)
-        self.space = PartitionSpace.of(group, torch.device("cpu") if where == "cpu" else compute, compute)
+        self.space = PartitionSpace.of(group, torch.device("cpu") if where in ("cpu", "nvme") else compute, compute)
+        self.param_swapper = param_swapper if param_swapper is not None or where != "nvme" else _nvme_swapper(cfg)
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:  # ZeRO++ qwZ: int8 gathers
+            from ds_zero.zeropp.options import ZeroPPOptions, zeropp_space
+
+            self.space = zeropp_space(self.space, group, ZeroPPOptions(
+                zero_quantized_weights=bool(zero_quantized_weights),
+                zero_quantized_nontrainable_weights=bool(zero_quantized_nontrainable_weights)))
         self.pin_memory = pin_memory
         self.mem_efficient_linear = mem_efficient_linear
         self._created: list[Any] = []
@@ -183,6 +201,10 @@ class Init:
                 convert_param(p, space)
             if self.pin_memory and p.ds_tensor.device.type == "cpu" and torch.cuda.is_available():
                 p.ds_tensor = p.ds_tensor.pin_memory()
+        if self.param_swapper is not None:  # ZeRO-Infinity: the partitions go to NVMe as they are made
+            from ds_zero.swap.from_config import swap_params
+
+            swap_params(todo, None, self.param_swapper)
 
     def _partition_module(self, module: torch.nn.Module) -> None:
         # buffers keep their dtype (computed fp32 buffers such as RoPE's inv_freq); the engine casts the module

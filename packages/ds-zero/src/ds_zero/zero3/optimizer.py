@@ -9,11 +9,19 @@ torch optimizer steps the masters (one flat tensor per group, so any elementwise
 hyper-parameters and LR schedules keep working). A step: global norm across partitions (one scalar
 all-reduce; inf/nan is an overflow on every rank) -> unscale and clip -> update -> write the new values into
 the partitions -> gather the persistent parameters again (the others are gathered when next used).
+
+ZeRO-Infinity (``offload_optimizer.device: nvme``): the first ``ratio`` of the sub-groups keep master, gradient
+partition and optimizer states in ``ds_zero.swap.OptimizerSwapper``'s files; their gradients are written there
+as they arrive (with their squared norms kept for clipping) and the step streams them through the swapper's
+buffers one sub-group at a time. Partitions on NVMe (``offload_param.device: nvme``) have no flat buffer: the
+updated values are written through to their swap files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +34,8 @@ from ds_zero._reduce import ReduceSettings
 from ds_zero._registry import register
 from ds_zero.collectives import TORCH, Collectives
 from ds_zero.partition import Fragment
+from ds_zero.swap.param_swapper import is_swapped
+from ds_zero.zero3._param import partition_copy
 from ds_zero.zero3._reduce_scatter import ReduceScatter
 from ds_zero.zero3._schedule import ParamScheduler
 
@@ -42,6 +52,7 @@ class Zero3Settings:
     pin_memory: bool = False
     load_from_fp32_weights: bool = True
     sub_group_size: int = 1_000_000_000
+    optimizer_swap: Any = None  # ds_zero.swap.OptimizerSwapSettings: offload_optimizer.device nvme
 
 
 class Z3Layout:
@@ -67,7 +78,7 @@ class Z3Group:
     """One optimizer parameter group's partitions; ``params`` and ``names`` in flat order."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], grad_dtype: torch.dtype,
-                 master_device: torch.device, pin_memory: bool) -> None:
+                 master_device: torch.device, pin_memory: bool, master_on_nvme: bool = False) -> None:
         self.params, self.names = params, names
         self.offsets, total = [], 0
         for p in params:
@@ -75,28 +86,52 @@ class Z3Group:
             total += p.ds_tensor.numel()
         self.numel = total
         first = params[0].ds_tensor if params else torch.empty(0)
-        self.lp_flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for p, offset in zip(params, self.offsets, strict=True):
-                view = self.lp_flat.narrow(0, offset, p.ds_tensor.numel())
-                view.copy_(p.ds_tensor)
-                view.ds_numel = view.numel()
-                p.ds_tensor = view
-        if first.dtype == torch.float32 and first.device == master_device and not pin_memory:
+        # ZeRO-Infinity parameters: the partitions live in their swap files, not in one flat buffer
+        self.lp_swapped = any(is_swapped(p) for p in params)
+        device = torch.device("cpu") if self.lp_swapped else first.device
+        self.lp_flat = None if self.lp_swapped else self._flatten(first.dtype, device)
+        self.master_on_nvme = master_on_nvme
+        if master_on_nvme:  # the optimizer swapper holds it; present only while its sub-group steps
+            master = torch.empty(0, dtype=torch.float32)
+        elif self.lp_flat is not None and first.dtype == torch.float32 and device == master_device \
+                and not pin_memory:
             # fp32 training without optimizer offload: the fp32 partitions are the masters (a copy would make the
             # model states 20 instead of 16 bytes per parameter, over N ranks)
             master = self.lp_flat.detach()
         else:
-            master = self.lp_flat.detach().to(master_device, torch.float32, copy=True)
+            master = self.initial_master().to(master_device)
             if pin_memory and master.device.type == "cpu" and torch.cuda.is_available():
                 master = master.pin_memory()
         self.master = torch.nn.Parameter(master)
-        self.grad_dtype, self.grad_device = grad_dtype, first.device
-        self.grad = torch.zeros(total, dtype=grad_dtype, device=first.device)
+        self.grad_dtype, self.grad_device = grad_dtype, device
+        # ZeRO-Infinity: a swapped sub-group's gradient goes to NVMe as it arrives; per parameter, whether it has
+        # one in this accumulation window and its squared norm (the step's clipping needs the global norm)
+        self.grad = torch.zeros(0 if master_on_nvme else total, dtype=grad_dtype, device=device)
+        self.grad_written: dict[int, float] = {}
         self.index = {id(p): i for i, p in enumerate(params)}
         space = params[0].ds_space if params else None
         self.rank = space.rank if space is not None else 0
         self.layout = Z3Layout(params, self.offsets, space.world if space is not None else 1)
+
+    def _flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One flat buffer for the group's partitions, which become views of it."""
+        flat = torch.empty(self.numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, offset in zip(self.params, self.offsets, strict=True):
+                view = flat.narrow(0, offset, p.ds_tensor.numel())
+                view.copy_(p.ds_tensor)
+                view.ds_numel = view.numel()
+                p.ds_tensor = view
+        return flat
+
+    def initial_master(self) -> torch.Tensor:
+        """A new fp32 copy of the group's partitions (read from NVMe for swapped ones), in flat order."""
+        if self.lp_flat is not None:
+            return self.lp_flat.detach().to(torch.float32, copy=True)
+        out = torch.empty(self.numel, dtype=torch.float32)
+        for p, offset in zip(self.params, self.offsets, strict=True):
+            out.narrow(0, offset, p.ds_tensor.numel()).copy_(partition_copy(p))
+        return out
 
     @property
     def grad_partition(self) -> torch.Tensor:
@@ -106,6 +141,8 @@ class Z3Group:
 
     def repoint(self) -> None:
         """``lp_flat`` moved (``offload_states``): the partitions become views of its new storage again."""
+        if self.lp_flat is None:
+            return
         flat = self.lp_flat.detach()
         for p, offset in zip(self.params, self.offsets, strict=True):
             view = flat.narrow(0, offset, p.ds_tensor.numel())
@@ -121,19 +158,32 @@ class Z3Group:
         return self.master.detach().narrow(0, self.offsets[i], param.ds_tensor.numel())
 
     def _shares_master(self) -> bool:  # checked at each use: offload_states may move one of the two apart
-        return self.master.detach().data_ptr() == self.lp_flat.detach().data_ptr()
+        return self.lp_flat is not None and self.master.detach().data_ptr() == self.lp_flat.detach().data_ptr()
 
     def copy_master_to_lp(self) -> None:
         if self._shares_master():
             return
+        master = self.master.detach()
         with torch.no_grad():
-            self.lp_flat.copy_(self.master.detach(), non_blocking=self.master.is_pinned())
+            if self.lp_flat is not None:
+                self.lp_flat.copy_(master, non_blocking=master.is_pinned())
+                return
+            swappers = set()
+            for p, offset in zip(self.params, self.offsets, strict=True):
+                value = master.narrow(0, offset, p.ds_tensor.numel())
+                if is_swapped(p):  # written through to its swap file; all written, then waited for
+                    p.ds_swapper.write(p, value, wait=False)
+                    swappers.add(p.ds_swapper)
+                else:
+                    p.ds_tensor.copy_(value)
+            for swapper in swappers:
+                swapper.flush()
 
     def sync_master_from_lp(self) -> None:
         if self._shares_master():
             return
         with torch.no_grad():
-            self.master.data.copy_(self.lp_flat)
+            self.master.data.copy_(self.lp_flat if self.lp_flat is not None else self.initial_master())
 
     def fp32_grad(self) -> torch.Tensor:
         if self.grad.dtype == torch.float32 and self.grad.device == self.master.device:
@@ -182,7 +232,15 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         self.global_grad_norm: float | None = None
         self.overflow = False
         self._cpu_adam = settings.offload_optimizer and is_ds_cpu_optimizer(init_optimizer)
+        self.swapper: Any = None  # ZeRO-Infinity's OptimizerSwapper; ``swapped``: the sub-groups it holds
+        self.swapped: list[int] = []
         self.groups = self._build_groups(names)
+        if self.swapper is not None:
+            self.swapper.init_masters((i, self.groups[i].initial_master) for i in self.swapped)
+            for i in self.swapped:
+                self.swapper.prepare_grad(i, self.groups[i].numel)
+            scheduler.on_remove.append(self.close_swap)
+        self._swap_index = {id(self.groups[i]): i for i in self.swapped}
         self.home = {p: (gi, i) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         low = params[0].dtype if params else torch.float32
@@ -197,31 +255,67 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         ``sub_group_size`` partition elements (DeepSpeed's sub-groups), each with its own flat master, so the
         step's temporary fp32 copies stay bounded; the torch group holds the sub-groups' masters."""
         s = self.settings
-        groups, seen = [], set()
-        for group in self.optimizer.param_groups:
+        chunks, seen = [], set()
+        for gi, group in enumerate(self.optimizer.param_groups):
             params = [p for p in group["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             bad = [tuple(p.shape) for p in params if p not in names or not hasattr(p, "ds_id")]
             if bad:
                 raise ValueError(f"ZeRO-3: optimizer parameters of shapes {bad[:5]} are not partitioned parameters "
                                  "of the model (pass the model's own parameters to the optimizer)")
-            masters = []
-            for chunk in _sub_groups(params, max(1, s.sub_group_size)):
-                low = chunk[0].dtype if chunk else torch.float32
-                grad_dtype = torch.float32 if s.fp32_grad_accum else low
-                device = chunk[0].ds_tensor.device if chunk else torch.device("cpu")
-                master_device = torch.device("cpu") if s.offload_optimizer else device
-                zg = Z3Group(chunk, [names[p] for p in chunk], grad_dtype, master_device, s.pin_memory)
-                masters.append(zg.master)
-                groups.append(zg)
-            group["params"] = masters
+            chunks += [(gi, chunk) for chunk in _sub_groups(params, max(1, s.sub_group_size))]
+        self._plan_swap(chunks)
+        groups, masters = [], [[] for _ in self.optimizer.param_groups]
+        for i, (gi, chunk) in enumerate(chunks):
+            low = chunk[0].dtype if chunk else torch.float32
+            grad_dtype = torch.float32 if s.fp32_grad_accum else low
+            device = chunk[0].ds_tensor.device if chunk else torch.device("cpu")
+            if device.type == "meta":  # partitions on NVMe: swapped in to CPU memory
+                device = torch.device("cpu")
+            master_device = torch.device("cpu") if s.offload_optimizer or s.optimizer_swap else device
+            zg = Z3Group(chunk, [names[p] for p in chunk], grad_dtype, master_device, s.pin_memory,
+                         master_on_nvme=i in self.swapped)
+            masters[gi].append(zg.master)
+            groups.append(zg)
+        for group, ms in zip(self.optimizer.param_groups, masters, strict=True):
+            group["params"] = ms
         self.optimizer.state.clear()
         return groups
 
+    def _plan_swap(self, chunks: list[tuple[int, list[torch.nn.Parameter]]]) -> None:
+        """ZeRO-Infinity: the first ``ratio`` of the sub-groups keep master and states on NVMe."""
+        swap = self.settings.optimizer_swap
+        if swap is None:
+            return
+        from ds_zero.swap import OptimizerSwapper
+        from ds_zero.swap.from_config import global_rank
+
+        count = math.floor(float(swap.ratio) * len(chunks) + 0.5)
+        self.swapped = list(range(count))
+        if not count:
+            return
+        largest = max((sum(p.ds_tensor.numel() for p in chunks[i][1]) for i in self.swapped), default=1)
+        self.swapper = OptimizerSwapper(swap, global_rank(), largest)
+
     def _add_grad(self, param: torch.nn.Parameter, averaged: torch.Tensor) -> None:
         group = self._group_of.get(id(param))
-        if group is not None:
+        if group is None:
+            return
+        if group.master_on_nvme:
+            self._add_swapped_grad(group, param, averaged)
+        else:
             group.grad_slice(param).add_(averaged)
+
+    def _add_swapped_grad(self, group: Z3Group, param: torch.nn.Parameter, averaged: torch.Tensor) -> None:
+        """Write (or, accumulating, read-add-write) the parameter's gradient partition in its sub-group's
+        gradient file, keeping its squared norm for the step's global norm."""
+        i, k = self._swap_index[id(group)], group.index[id(param)]
+        offset = group.offsets[k]
+        value = averaged.detach().reshape(-1).to(torch.float32)
+        if k in group.grad_written:
+            value = self.swapper.read_grad(i, offset, value.numel()).add_(value)
+        group.grad_written[k] = float(torch.linalg.vector_norm(value, 2.0)) ** 2
+        self.swapper.write_grad(i, offset, value)
 
     # ---- the engine's view ----------------------------------------------------------------------------------
     partition_gradients = True
@@ -244,6 +338,8 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         return partitioned_norm(grads, self.comm, self.dp_group, self.world)
 
     def step(self) -> bool:
+        if self.swapper is not None:
+            return self._swapped_step()
         grads = [g.fp32_grad() for g in self.groups]
         norm = self._global_norm(grads) / self.loss_scale
         if self._skip_on_overflow(self.settings.check_overflow and not math.isfinite(norm)):
@@ -255,7 +351,9 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                 grad.mul_(coef)  # the gradient partition is cleared right after the step
             g.master.grad = grad
         if self._cpu_adam:
-            self.optimizer.step(fp16_param_groups=[[g.lp_flat] for g in self.groups])
+            lp = {id(g.master): g.lp_flat for g in self.groups}  # per torch group: its sub-groups' partitions
+            self.optimizer.step(fp16_param_groups=[[lp[id(m)] for m in pg["params"]]
+                                                   for pg in self.optimizer.param_groups])
         else:
             self.optimizer.step()
             for g in self.groups:
@@ -264,6 +362,92 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
             g.master.grad = None
         self.partitions_changed()
         return self._stepped()
+
+    def _swapped_step(self) -> bool:
+        """ZeRO-Infinity's step: the in-memory sub-groups step together, then the swapped ones stream through
+        the swapper's buffers one at a time (each reads its master and states, steps, writes them back)."""
+        swapped_sumsq = sum(s for g in self.groups for s in g.grad_written.values())
+        # fp32 sums without fp32 copies; the swapped gradients enter as one element holding their norm
+        norm = self._global_norm([g.grad for g in self.groups if not g.master_on_nvme]
+                                 + [torch.tensor([math.sqrt(swapped_sumsq)])]) / self.loss_scale
+        if self._skip_on_overflow(self.settings.check_overflow and not math.isfinite(norm)):
+            return False
+        self.global_grad_norm = norm
+        coef = self._grad_coef(norm, self.settings.clip)
+        swapped = set(self.swapped)
+        resident = [g for i, g in enumerate(self.groups) if i not in swapped]
+        for g in resident:
+            g.master.grad = self._scaled_grad(g, coef)
+        if resident:
+            self.optimizer.step()
+        for g in resident:
+            g.master.grad = None
+            g.copy_master_to_lp()
+
+        def one(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            g = self.groups[i]
+            grad = tensors.pop("grad")
+            for k, (p, offset) in enumerate(zip(g.params, g.offsets, strict=True)):
+                if k not in g.grad_written:  # no gradient this window: what the file holds is an older one
+                    grad.narrow(0, offset, p.ds_tensor.numel()).zero_()
+            self._attach(g, tensors)
+            g.master.grad = grad.mul_(coef) if coef != 1.0 else grad
+            self.optimizer.step()
+            g.master.grad = None
+            g.copy_master_to_lp()
+            return self._detach(g)
+
+        self.swapper.run(self.swapped, one)
+        self.partitions_changed()
+        return self._stepped()
+
+    @staticmethod
+    def _scaled_grad(g: Z3Group, coef: float) -> torch.Tensor:
+        grad = g.fp32_grad()
+        return grad.mul_(coef) if coef != 1.0 else grad  # the gradient partition is cleared after the step
+
+    def _attach(self, g: Z3Group, tensors: dict[str, torch.Tensor]) -> None:
+        """A swapped sub-group's master and optimizer states (read from NVMe) become the live ones."""
+        g.master.data = tensors["master"]
+        state = self.optimizer.state[g.master]
+        for name, value in tensors.items():
+            if name != "master":
+                state[name] = value
+
+    def _detach(self, g: Z3Group) -> dict[str, torch.Tensor]:
+        """The tensors of a swapped sub-group to write back (master, and every per-element fp32 state, new ones
+        included); they leave the optimizer, which keeps only its scalars (Adam's ``step``) in memory."""
+        master = g.master.detach()
+        keep = {"master": master}
+        state = self.optimizer.state.get(g.master, {})
+        for name, value in list(state.items()):
+            if name != "step" and isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
+                    and value.numel() == master.numel() and value.dim() == 1:
+                keep[name] = state.pop(name)
+        g.master.data = torch.empty(0, dtype=torch.float32)
+        return keep
+
+    @contextlib.contextmanager
+    def materialized(self, write_back: bool) -> Iterator[None]:
+        """Every swapped sub-group's master and states in memory for the duration (a checkpoint save or load);
+        ``write_back``: what they hold afterwards goes back to NVMe."""
+        if self.swapper is None:
+            yield
+            return
+        for i in self.swapped:
+            self._attach(self.groups[i], self.swapper.read_new(i))
+        try:
+            yield
+        finally:
+            for i in self.swapped:
+                keep = self._detach(self.groups[i])
+                if write_back:
+                    self.swapper.write_now(i, keep)
+
+    def close_swap(self) -> None:
+        """Delete this optimizer's swap files and buffers (engine destroy; also done at exit)."""
+        if self.swapper is not None:
+            self.swapper.close()
 
     def partitions_changed(self) -> None:
         """The partitions were rewritten: whole values still around are stale."""
@@ -274,9 +458,17 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         """The partition of ``param`` was modified by hand (``GatheredParameters(modifier_rank=...)``): make the
         fp32 master follow it."""
         group = self._group_of.get(id(param))
-        if group is not None:
-            with torch.no_grad():
-                group.master_slice(param).copy_(param.ds_tensor)
+        if group is None:
+            return
+        value = partition_copy(param) if is_swapped(param) else param.ds_tensor
+        with torch.no_grad():
+            if not group.master_on_nvme:
+                group.master_slice(param).copy_(value)
+                return
+            i = self.groups.index(group)  # read, modify and write back the sub-group's master on NVMe
+            tensors = self.swapper.read_new(i)
+            tensors["master"].narrow(0, group.offsets[group.index[id(param)]], value.numel()).copy_(value)
+            self.swapper.write_now(i, tensors)
 
     def group_of(self, param: torch.nn.Parameter) -> Z3Group:
         return self._group_of[id(param)]
@@ -284,24 +476,31 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.groups:
             g.grad.zero_()
+            g.grad_written.clear()
             for p in g.params:
                 p.grad = None
         self.reducer.reset()
 
     def sync_master_from_model(self) -> None:
-        for g in self.groups:
-            g.sync_master_from_lp()
+        with self.materialized(write_back=True):  # masters on NVMe are rewritten from the partitions
+            for g in self.groups:
+                g.sync_master_from_lp()
 
     # ---- checkpoint state (DeepSpeed's stage 3 optimizer state dict) ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
         from ds_zero.zero3.checkpoint import stage3_state_dict
 
-        return stage3_state_dict(self)
+        with self.materialized(write_back=False):  # the checkpoint gathers what is on NVMe
+            sd = stage3_state_dict(self)
+            base = sd["optimizer_state_dict"]  # torch shares each parameter's live state dict: detach them
+            base["state"] = {k: dict(v) for k, v in base["state"].items()}
+            return sd
 
     def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
         """This rank's saved state (same world size), or every saved rank's state (a list, any world size: the
         partitions are cut again by parameter name)."""
         from ds_zero.zero3.checkpoint import load_stage3_state
 
-        load_stage3_state(self, state_dict if isinstance(state_dict, list) else [state_dict])
+        with self.materialized(write_back=True):
+            load_stage3_state(self, state_dict if isinstance(state_dict, list) else [state_dict])
         self.partitions_changed()

@@ -1,0 +1,15 @@
+"""ZeRO-Infinity: swapping ZeRO-3 state to NVMe through ``ds_ops.aio``.
+
+- :class:`OptimizerSwapper` (``offload_optimizer.device: nvme``): fp32 masters and optimizer states of each
+  sub-group in per-rank swap files, streamed through the step;
+- :class:`ParamSwapper` (``offload_param.device: nvme``): the 16-bit parameter partitions, read ahead of their
+  all-gather and dropped after it;
+- :class:`BufferPool`: the bounded set of page-aligned (optionally locked) CPU buffers both swap through.
+"""
+
+from ds_zero.swap.buffer_pool import BufferPool
+from ds_zero.swap.optimizer_swapper import OptimizerSwapper, OptimizerSwapSettings
+from ds_zero.swap.param_swapper import ParamSwapper, ParamSwapSettings, is_swapped
+
+__all__ = ["BufferPool", "OptimizerSwapSettings", "OptimizerSwapper", "ParamSwapSettings", "ParamSwapper",
+           "is_swapped"]

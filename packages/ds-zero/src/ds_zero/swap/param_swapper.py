@@ -1,0 +1,240 @@
+"""ZeRO-Infinity's parameter swapper: the 16-bit partitions (``ds_tensor``) of ZeRO-3 parameters live in one
+file each under ``nvme_path`` and are read into CPU buffers only around their all-gather.
+
+A swapped-out partition is a ``meta`` tensor of the right size and dtype (so ``ds_tensor.numel()`` keeps
+answering, and any read of its data raises instead of returning stale values); ``swap_in`` makes it a view of a
+buffer again. Reads come from a bounded :class:`BufferPool` (``buffer_count`` buffers of up to ``buffer_size``
+elements); ``prefetch`` starts them ahead of use (the ZeRO-3 scheduler calls it with the parameters its trace
+says come next) and never takes more than the pool holds. A gather that needs more partitions at once than the
+pool has (gathering a whole model for a checkpoint) uses temporary buffers for the rest. ``max_in_cpu``
+elements of partitions stay in CPU memory and are never swapped. Updated partitions are written through at
+once, so the file is always the current value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_ops.aio import AioError
+from ds_ops.aio._memory import aligned_empty
+from ds_zero.swap._folder import annotate, cleanup_on_exit, make_swap_folder, new_handle
+from ds_zero.swap.buffer_pool import BufferPool
+
+
+@dataclass(frozen=True)
+class ParamSwapSettings:
+    """``offload_param`` with ``device: nvme`` (and the ``aio`` section)."""
+
+    nvme_path: str
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = False
+    aio: Any = None
+
+
+def is_swapped(param: Any) -> bool:
+    """Whether ``param``'s partition lives on NVMe (resident or not)."""
+    return getattr(param, "ds_swapper", None) is not None
+
+
+class ParamSwapper:
+    """Partitions of ``rank``'s parameters on NVMe."""
+
+    def __init__(self, settings: ParamSwapSettings, rank: int) -> None:
+        self.settings = settings
+        self.folder = make_swap_folder(settings.nvme_path, "params", rank, "offload_param.nvme_path")
+        self._cleanup = cleanup_on_exit(self, self.folder)
+        self.reader, self.writer = new_handle(settings.aio), new_handle(settings.aio)
+        self._pools: dict[torch.dtype, BufferPool] = {}
+        self.in_cpu_numel = 0
+        self.largest = 0
+        self.resident: dict[int, tuple[Any, torch.Tensor]] = {}  # ds_id -> (param, buffer), read done
+        self.reading: dict[int, tuple[Any, torch.Tensor]] = {}  # ds_id -> (param, buffer), read in flight
+        self._writes: list[torch.Tensor] = []  # sources of writes in flight (kept alive until flush)
+        self.read_bytes = self.write_bytes = 0
+
+    def path(self, param: Any) -> str:
+        return os.path.join(self.folder, f"{param.ds_id}_param.tensor.swp")
+
+    def _pool(self, dtype: torch.dtype) -> BufferPool:
+        if dtype not in self._pools:  # at first use, sized to the largest partition (at most buffer_size)
+            numel = max(1, min(self.settings.buffer_size, self.largest))
+            self._pools[dtype] = BufferPool(max(1, self.settings.buffer_count), numel, dtype,
+                                            self.settings.pin_memory, key="offload_param.buffer_count")
+        return self._pools[dtype]
+
+    # ---- adoption -------------------------------------------------------------------------------------------
+    def adopt(self, param: Any) -> None:
+        """Take ``param``'s partition: kept in CPU memory while ``max_in_cpu`` allows, else written to its
+        file and dropped from memory."""
+        if is_swapped(param):
+            return
+        part = param.ds_tensor
+        numel = part.numel()
+        if numel > self.settings.buffer_size:
+            raise ValueError(f"offload_param.buffer_size={self.settings.buffer_size} elements is smaller than the "
+                             f"partition of a parameter of shape {tuple(param.ds_shape)} ({numel} elements on this "
+                             f"rank); raise buffer_size to at least {numel}")
+        if self.in_cpu_numel + numel <= self.settings.max_in_cpu:
+            self.in_cpu_numel += numel
+            param.ds_tensor = part.detach().to("cpu")  # stays in CPU memory for good
+            param.ds_tensor.ds_numel = numel
+            return
+        self.largest = max(self.largest, numel)
+        param.ds_swapper = self
+        self._write(param, part.detach().to("cpu").contiguous(), wait=True)
+        self._drop(param)
+
+    def _drop(self, param: Any) -> None:
+        placeholder = torch.empty(param.ds_tensor.numel(), dtype=param.ds_tensor.dtype, device="meta")
+        placeholder.ds_numel = placeholder.numel()
+        param.ds_tensor = placeholder
+
+    # ---- reads ----------------------------------------------------------------------------------------------
+    def prefetch(self, params: list[Any]) -> int:
+        """Start reading the partitions of ``params`` that are on NVMe only, while pool buffers are free;
+        returns how many reads started."""
+        started = 0
+        for p in params:
+            if not is_swapped(p) or p.ds_id in self.resident or p.ds_id in self.reading:
+                continue
+            pool = self._pool(p.ds_tensor.dtype)
+            if p.ds_tensor.numel() > pool.numel:
+                continue
+            buffer = pool.get()
+            if buffer is None:
+                break
+            self._start_read(p, buffer)
+            started += 1
+        return started
+
+    def swap_in(self, params: list[Any]) -> None:
+        """Make every swapped partition of ``params`` resident (waiting for prefetched reads)."""
+        todo = [p for p in params if is_swapped(p) and p.ds_id not in self.resident]
+        for p in todo:
+            if p.ds_id not in self.reading:
+                pool = self._pool(p.ds_tensor.dtype)
+                buffer = pool.get() if p.ds_tensor.numel() <= pool.numel else None
+                if buffer is None:  # more at once than the pool holds: a temporary buffer
+                    buffer = aligned_empty(p.ds_tensor.numel(), p.ds_tensor.dtype)[0]
+                self._start_read(p, buffer)
+        if self.reading:
+            self._wait_reads()
+        self.install(params)
+
+    def _start_read(self, param: Any, buffer: torch.Tensor) -> None:
+        view = buffer.narrow(0, 0, param.ds_tensor.numel())
+        try:
+            self.reader.async_pread(view, self.path(param))
+        except AioError as exc:
+            raise annotate(exc, f"swap in parameter partition {param.ds_id} (shape {tuple(param.ds_shape)})") \
+                from None
+        self.reading[param.ds_id] = (param, buffer)
+        self.read_bytes += view.numel() * view.element_size()
+        param.ds_swap_view = view
+
+    def _wait_reads(self) -> None:
+        try:
+            self.reader.wait()
+        except AioError as exc:
+            raise annotate(exc, "swap in parameter partitions") from None
+        self.resident.update(self.reading)
+        self.reading.clear()
+
+    def install(self, params: list[Any]) -> None:
+        """Point the ``ds_tensor`` of resident partitions at their buffers (after ``swap_in``)."""
+        for p in params:
+            if is_swapped(p) and p.ds_id in self.resident:
+                view = p.ds_swap_view
+                view.ds_numel = view.numel()
+                p.ds_tensor = view
+
+    def release(self, params: list[Any]) -> None:
+        """Drop the resident copies of ``params`` (the files hold the values); buffers go back to the pool."""
+        for p in params:
+            entry = self.resident.pop(p.ds_id, None) if is_swapped(p) else None
+            if entry is not None:
+                self._give_back(*entry)
+
+    def _give_back(self, param: Any, buffer: torch.Tensor) -> None:
+        pool = self._pools.get(param.ds_tensor.dtype)
+        if pool is not None and pool.owns(buffer):
+            pool.put(buffer)
+        self._drop(param)
+        param.ds_swap_view = None
+
+    def read_copy(self, param: Any) -> torch.Tensor:
+        """The current partition in new memory (resident or not)."""
+        if not is_swapped(param):
+            return param.ds_tensor.detach().clone()
+        if param.ds_id in self.resident:
+            return param.ds_swap_view.clone()
+        out = torch.empty(param.ds_tensor.numel(), dtype=param.ds_tensor.dtype)
+        try:
+            self.reader.sync_pread(out, self.path(param))
+        except AioError as exc:
+            raise annotate(exc, f"read parameter partition {param.ds_id}") from None
+        self.read_bytes += out.numel() * out.element_size()
+        return out
+
+    def convert(self, param: Any, dtype: torch.dtype) -> None:
+        """Rewrite the partition in ``dtype`` (the engine trains in another dtype than ``zero.Init`` built)."""
+        value = self.read_copy(param).to(dtype)
+        self.release([param])
+        placeholder = torch.empty(value.numel(), dtype=dtype, device="meta")
+        placeholder.ds_numel = value.numel()
+        param.ds_tensor = placeholder
+        self._write(param, value, wait=True)
+
+    # ---- writes ---------------------------------------------------------------------------------------------
+    def write(self, param: Any, value: torch.Tensor, wait: bool = True) -> None:
+        """``value`` (the partition's elements, any dtype) becomes the partition: written to the file (and to
+        the resident copy). ``wait=False`` leaves the write in flight until :meth:`flush`."""
+        value = value.detach().reshape(-1).to("cpu", param.ds_tensor.dtype).contiguous()
+        if param.ds_id in self.resident:
+            param.ds_swap_view.copy_(value)
+        self._write(param, value, wait)
+
+    def _write(self, param: Any, value: torch.Tensor, wait: bool) -> None:
+        try:
+            self.writer.async_pwrite(value, self.path(param))
+        except AioError as exc:
+            raise annotate(exc, f"swap out parameter partition {param.ds_id}") from None
+        self.write_bytes += value.numel() * value.element_size()
+        self._writes.append(value)
+        if wait:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for the writes in flight."""
+        try:
+            self.writer.wait()
+        except AioError as exc:
+            raise annotate(exc, "swap out parameter partitions") from None
+        finally:
+            self._writes.clear()
+
+    def release_all(self) -> None:
+        """Drop every resident or prefetched partition (end of a pass: a stale prefetch must not hold buffers)."""
+        if self.reading:
+            self._wait_reads()
+        for param, buffer in list(self.resident.values()):
+            self._give_back(param, buffer)
+        self.resident.clear()
+
+    def close(self) -> None:
+        for h in (self.reader, self.writer):
+            try:
+                h.wait()
+            except AioError:
+                pass  # closing after a failure: the files go anyway
+            h.close()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools = {}
+        self._cleanup()
