@@ -4,7 +4,8 @@ A pre-norm transformer block whose attention runs ``DistributedAttention`` over 
 ranks, each holding half of every sequence, with ZeRO 0-3 partitioned over the sequence-data group; the losses and
 weights must follow plain single-process training of the whole sequence (SGD, so a gradient scaled by the wrong
 factor shows; clipping is on, above the norm, so the engine computes the global norm over the partitions, which
-must equal the one-process norm).
+must equal the one-process norm). A checkpoint of stages 1 and 3 (each sequence rank holds its own ZeRO shard, so
+files are named by the sequence-data rank, as DeepSpeed does) loads into a fresh engine that continues identically.
 """
 
 from __future__ import annotations
@@ -89,7 +90,30 @@ def _full_weights(engine) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
-def _train_all_stages() -> dict[int, list[float]]:
+def _checkpoint_round_trip(engine, stage: int, initial: dict, folder: str) -> None:
+    """Save, load into a fresh engine: the same weights, and the next step the same on both (ZeRO shards differ
+    between the two sequence ranks: each must write and read its own file)."""
+    import deepspeed
+
+    engine.save_checkpoint(folder, tag=f"s{stage}")
+    model = _Block(_ulysses)
+    model.load_state_dict(initial)
+    loaded, *_ = deepspeed.initialize(model=model, config=_config(stage))
+    loaded.load_checkpoint(folder, tag=f"s{stage}")
+    before = _full_weights(engine)
+    for name, value in _full_weights(loaded).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=f"stage {stage} loaded: {name}")
+    x, target = _data()
+    xs, ts = x.chunk(2)[dist.get_rank()], target.chunk(2)[dist.get_rank()]
+    for e in (engine, loaded):
+        e.backward(((e(xs) - ts) ** 2).sum() / x.numel())
+        e.step()
+    after = _full_weights(engine)
+    for name, value in _full_weights(loaded).items():
+        torch.testing.assert_close(value, after[name], **TOL, msg=f"stage {stage} after a step: {name}")
+
+
+def _train_all_stages(folder: str) -> dict[int, list[float]]:
     import deepspeed
     from deepspeed.utils import groups
 
@@ -97,12 +121,13 @@ def _train_all_stages() -> dict[int, list[float]]:
     expected, expected_norms, final, initial = _reference()
     x, target = _data()
     xs, ts = x.chunk(2)[rank], target.chunk(2)[rank]
-    results = {}
+    results, seen = {}, []
     for stage in (0, 1, 2, 3):
         model = _Block(_ulysses)
         model.load_state_dict(initial)
         engine, *_ = deepspeed.initialize(model=model, config=_config(stage))
         assert groups._get_sequence_parallel_world_size() == 2 and engine.dp_world_size == 1
+        seen.append(groups._get_sequence_parallel_group())  # built once, shared by every engine
         got, norms = [], []
         for _ in range(STEPS):
             loss = ((engine(xs) - ts) ** 2).sum() / x.numel()  # this rank's share of the whole loss
@@ -118,11 +143,14 @@ def _train_all_stages() -> dict[int, list[float]]:
         for name, value in _full_weights(engine).items():
             torch.testing.assert_close(value, final[name], **TOL, msg=f"stage {stage}: {name}")
         results[stage] = got
+        if stage in (1, 3):
+            _checkpoint_round_trip(engine, stage, initial, folder)
+    assert all(g is seen[0] for g in seen)
     return results
 
 
-def test_zero_stages_with_sequence_parallelism_follow_one_process_training():
-    results = run_distributed(_train_all_stages, world_size=2, timeout=120)
+def test_zero_stages_with_sequence_parallelism_follow_one_process_training(tmp_path):
+    results = run_distributed(_train_all_stages, world_size=2, args=(str(tmp_path),), timeout=120)
     assert results[0] == results[1]
     assert all(r[-1] < r[0] for r in results[0].values())
 
@@ -154,6 +182,10 @@ def _config_errors() -> None:
     with pytest.raises(ConfigError, match="sequence_parallel_size.*sequence-parallel size of 1"):
         deepspeed.initialize(model=_Block(_attend), config=_config(0, sp=2), mpu=_Mpu())
 
+    onebit = {**_config(0), "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}}
+    with pytest.raises(ConfigError, match="sequence_parallel_size.*1-bit optimizers.*with a 1-bit optimizer: 1"):
+        deepspeed.initialize(model=_Block(_attend), config=onebit)
+
 
 def test_sequence_parallel_size_errors():
     run_distributed(_config_errors, world_size=2, timeout=60)
@@ -161,3 +193,18 @@ def test_sequence_parallel_size_errors():
 
     with pytest.raises(ConfigError, match="sequence_parallel_size"):
         load_config(_config(0, sp=0))
+
+
+def test_sequence_parallelism_reduces_in_seq_parallel_communication_data_type():
+    """As DeepSpeed's engine: with sequence parallelism ``seq_parallel_communication_data_type`` (default fp32)
+    replaces ``communication_data_type`` for the gradient reduction."""
+    from deepspeed.runtime._setup import _comm_dtype
+    from ds_config import ConfigError, load_config
+
+    bf16 = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}
+    assert _comm_dtype(load_config({**_config(2, sp=1), **bf16})) is torch.bfloat16
+    assert _comm_dtype(load_config({**_config(2), **bf16})) is torch.float32
+    assert _comm_dtype(load_config({**_config(2), **bf16, "seq_parallel_communication_data_type": "fp16"})) \
+        is torch.float16
+    with pytest.raises(ConfigError, match="seq_parallel_communication_data_type"):
+        load_config({**_config(2), "seq_parallel_communication_data_type": "int8"})

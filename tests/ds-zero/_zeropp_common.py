@@ -56,24 +56,25 @@ def whole_state(engine) -> dict:
 
 
 def train(cfg: dict, steps: int, node_size: int | None = None, save: str | None = None,
-          load: str | None = None, model: torch.nn.Module | None = None, freeze: tuple[str, ...] = ()) -> dict:
+          load: str | None = None, model: torch.nn.Module | None = None, freeze: tuple[str, ...] = (),
+          mpu: object = None) -> dict:
     """Train ``steps`` steps (rank r takes its slice of each global batch); returns the global mean losses, the
     whole weights and the bytes sent by the ZeRO-3 collectives (by kind). ``node_size`` plays the launcher's
     LOCAL_WORLD_SIZE (ranks per node); ``save``/``load``: a checkpoint folder written after / read before;
     ``model``: a model built by the caller (under ``zero.Init``); ``freeze``: names of parameters that do not
-    train (their partitions' dtypes come back in ``frozen_dtypes``)."""
+    train (their partitions' dtypes come back in ``frozen_dtypes``); ``mpu``: passed to ``deepspeed.initialize``."""
     launcher = os.environ.get("LOCAL_WORLD_SIZE")
     if node_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(node_size)
     try:
-        return _train(cfg, steps, save, load, model, freeze)
+        return _train(cfg, steps, save, load, model, freeze, mpu)
     finally:
         if launcher is not None:
             os.environ["LOCAL_WORLD_SIZE"] = launcher
 
 
 def _train(cfg: dict, steps: int, save: str | None, load: str | None, model: torch.nn.Module | None,
-           freeze: tuple[str, ...]) -> dict:
+           freeze: tuple[str, ...], mpu: object) -> dict:
     import deepspeed
     from ds_zero.zeropp import traffic
 
@@ -82,7 +83,7 @@ def _train(cfg: dict, steps: int, save: str | None, load: str | None, model: tor
     model = model if model is not None else TinyGPT()
     for name, p in model.named_parameters():
         p.requires_grad_(name not in freeze)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
     if load is not None:
         engine.load_checkpoint(load)
     traffic.reset()

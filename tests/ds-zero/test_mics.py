@@ -2,7 +2,10 @@
 groups) train to the losses and weights of plain ZeRO-3 (fp32, 1e-6 relative), so does a model built under
 ``deepspeed.zero.MiCS_Init`` and the two-stage (across nodes, then within the node) hierarchical gather; a MiCS
 checkpoint carries its shard layout (``partition_count`` 2), consolidates with ``zero_to_fp32`` and loads onto
-plain ZeRO-3 and onto shard groups of 4, both then continuing identically. Measured: 1.2e-7 on the losses, 3e-8
+plain ZeRO-3 and onto shard groups of 4, both then continuing identically. Shard groups of 1 replicate whole
+states; with sequence parallelism (2 x 2) MiCS shards the sequence-data group and the gradients are summed over
+the sequence ranks (SGD at lr equals plain ZeRO-3 at 2 lr); a model partitioned over other ranks is a clear
+error. Measured: 1.2e-7 on the losses, 3e-8
 on the weights."""
 
 from __future__ import annotations
@@ -55,6 +58,50 @@ def _body(folder: str) -> dict:
         common.train(cfg({"mics_shard_size": 3}), 1)
     except ValueError as exc:
         out["bad"] = str(exc)
+    out["mics1"] = common.train(cfg({"mics_shard_size": 1}), STEPS)  # whole states on every rank
+    out["p2p"] = _p2p_choices()
+    out.update(_with_sequence_parallelism())
+    return out
+
+
+def _p2p_choices() -> list[bool]:
+    """The gather's point-to-point choice for one group key seen with different sizes (a default group recreated
+    with more ranks, a second engine): decided again, not read from a stale cache entry."""
+    from types import SimpleNamespace
+
+    from ds_zero._gather import P2P_MAX_WORLD
+    from ds_zero.zero3._collectives import _use_p2p
+
+    return [_use_p2p(SimpleNamespace(group=None, world=w)) for w in (4, P2P_MAX_WORLD + 1, 4)]
+
+
+def _sgd(lr: float) -> dict:
+    return {"optimizer": {"type": "SGD", "params": {"lr": lr}}, "zero_allow_untested_optimizer": True}
+
+
+def _with_sequence_parallelism() -> dict:
+    """2 sequence ranks x 2 data-parallel ranks: MiCS shard groups of the sequence-data group (the engine's ZeRO
+    group). Gradients are summed over the sequence ranks and averaged over data parallelism, so SGD at ``lr``
+    equals plain ZeRO-3 (averaged over the 4 ranks) at ``2 lr``."""
+    import deepspeed
+    from deepspeed.sequence._groups import SequenceParallelGroups
+    from ds_config import ConfigError
+
+    cfg, lr = common.config, 0.1
+    sp_cfg = cfg({"mics_shard_size": 2}, sequence_parallel_size=2, **_sgd(lr))
+    out = {"sgd_2lr": common.train(cfg({}, **_sgd(2 * lr)), STEPS), "sp_mics": common.train(sp_cfg, STEPS)}
+    mpu = SequenceParallelGroups(2)
+    torch.manual_seed(torch.distributed.get_rank())
+    with deepspeed.zero.MiCS_Init(config_dict_or_path=sp_cfg, mpu=mpu):  # over the mpu's sequence-data group
+        model = common.TinyGPT()
+    out["sp_mics_init"] = common.train(sp_cfg, STEPS, model=model, mpu=mpu)
+    # built over the data-parallel group: shard groups {0,2},{1,3} of the same size as the engine's {0,1},{2,3}
+    with deepspeed.zero.MiCS_Init(config_dict_or_path=sp_cfg, data_parallel_group=mpu.get_data_parallel_group()):
+        model = common.TinyGPT()
+    try:
+        common.train(sp_cfg, 1, model=model, mpu=mpu)
+    except ConfigError as exc:
+        out["bad_group"] = str(exc)
     return out
 
 
@@ -110,6 +157,31 @@ def test_checkpoint_carries_the_shard_layout(results):
     assert r["partition_count"] == 2
     # zero_to_fp32 reads the first shard group's files (the others hold replicas)
     assert common.rel(r["consolidated"], r["mics"]["state"]) == 0
+
+
+@pytest.mark.parametrize("variant", ["sp_mics", "sp_mics_init"])
+def test_mics_with_sequence_parallelism(results, variant):
+    got, ref = results[0][variant], results[0]["sgd_2lr"]
+    assert _close(got["losses"], ref["losses"], 1e-6) and ref["losses"][-1] < ref["losses"][0]
+    assert common.rel(got["state"], ref["state"]) <= 1e-6
+    assert got["space"]["world"] == 2
+    assert all(common.rel(r[variant]["state"], got["state"]) == 0 for r in results)
+
+
+def test_shard_size_one_replicates_whole_states(results):
+    got, plain = results[0]["mics1"], results[0]["plain"]
+    assert got["space"]["world"] == 1 and "param_gather" not in got["bytes"]
+    assert _close(got["losses"], plain["losses"], 1e-6) and common.rel(got["state"], plain["state"]) <= 1e-6
+
+
+def test_model_partitioned_over_other_ranks_is_a_clear_error(results):
+    for r in results:  # every rank, so none is left waiting in a collective
+        assert "partitioned by zero.Init over ranks" in r["bad_group"] and "engine partitions over ranks" in \
+            r["bad_group"]
+
+
+def test_point_to_point_choice_follows_the_group(results):
+    assert results[0]["p2p"] == [True, False, True]
 
 
 def test_bad_shard_size_is_a_clear_error(results):

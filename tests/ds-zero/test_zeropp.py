@@ -1,7 +1,8 @@
 """ZeRO++ through ``deepspeed.initialize`` on gloo ranks.
 
 - hpZ (4 ranks, ``zero_hpz_partition_size`` 2): backward gathers come from the secondary partition inside pairs
-  of ranks, and training equals plain ZeRO-3 (fp32, 1e-6 relative; measured: identical);
+  of ranks, and training equals plain ZeRO-3 (fp32, 1e-6 relative; measured: identical); a
+  ``GatheredParameters(modifier_rank=0)`` modification reaches the secondary partition too;
 - qwZ / qgZ (2 ranks, 50 steps of a tiny GPT-2-like model): the loss curve stays within ``LOSS_TOL`` relative
   of the unquantized one at every step (measured: 4e-3 qwZ, 3e-3 qgZ, 1e-2 both with LoCo) and the quantized
   collectives send at most 0.3x the bytes of the unquantized ones (measured: 0.26x), counted where the
@@ -63,12 +64,33 @@ def _init_quantized_weights() -> dict:
     return {"err": err, "bound": float(exact.abs().max()) / 254, "quantize": layer.weight.ds_space.quantize}
 
 
+def _hpz_after_modifier() -> float:
+    """``GatheredParameters(modifier_rank=0)`` under hpZ: the secondary partition (what backward gathers read)
+    holds the modified values; returns its largest difference from them."""
+    import deepspeed
+
+    cfg = common.config({"stage3_max_reuse_distance": 0, "zero_hpz_partition_size": 2})
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=common.TinyGPT(), config=cfg)
+    engine.backward(engine(common.batches(1, common.MICRO)[0]))
+    engine.step()
+    w = engine.module.fc.weight
+    with deepspeed.zero.GatheredParameters([w]):
+        new = w.detach().reshape(-1) * 2
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0), torch.no_grad():
+        w.mul_(2)
+    part = w.ds_secondary.numel()
+    start = w.ds_space.secondary.rank * part
+    return float((w.ds_secondary - new[start:start + part]).abs().max())
+
+
 def _hpz_body() -> dict:
     cfg = common.config
     reuse = {"stage3_max_reuse_distance": 0}  # released after use: backward gathers again
     out = {"plain": common.train(cfg(reuse), 6), "hpz": common.train(cfg({**reuse, "zero_hpz_partition_size": 2}), 6)}
     out["two_hop"] = _two_hop_reduce()
     out["init_qwz"] = _init_quantized_weights()
+    out["modified"] = _hpz_after_modifier()
     try:
         common.train(cfg({"zero_hpz_partition_size": 3}), 1)
     except ValueError as exc:
@@ -90,6 +112,7 @@ def test_hpz_equals_plain_stage3():
     for x in results:
         assert 0 < x["two_hop"]["err"] <= 4 * 2 * x["two_hop"]["scale"] / 254 * 1.5
     assert "zero_hpz_partition_size=3" in r["bad"]
+    assert all(x["modified"] == 0 for x in results)  # GatheredParameters' modification reached the hpZ partition
     assert got["space"] == {"world": 4, "secondary": 2, "hierarchy": None}
     # zero.Init(zero_quantized_weights=True): gathers dequantize int8 values, within half a step of the weights
     init = r["init_qwz"]

@@ -120,12 +120,14 @@ def _grad_accum_fp32(config: Any) -> bool:
 
 def _comm_dtype(config: Any) -> torch.dtype | None:
     name = config.communication_data_type
+    key = "communication_data_type"
+    if config.sequence_parallel_size > 1:  # as DeepSpeed's engine: this one replaces it (default fp32)
+        name, key = config.seq_parallel_communication_data_type, "seq_parallel_communication_data_type"
     if name is None:
         return None
     table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     if name not in table:
-        raise ConfigError(ConfigProblem("communication_data_type", "not usable for gradient reduction; accepted: "
-                                        "fp32, fp16, bf16", name))
+        raise ConfigError(ConfigProblem(key, "not usable for gradient reduction; accepted: fp32, fp16, bf16", name))
     return table[name]
 
 

@@ -71,9 +71,14 @@ class SequenceParallelGroups:
         return 1
 
 
+# sequence_parallel_size -> (the default group they were built under, the groups): every engine of a process uses
+# the same groups, as DeepSpeed builds them once (a new set per initialize would leak process groups)
+_BUILT: dict[int, tuple[Any, SequenceParallelGroups]] = {}
+
+
 def sequence_mpu(mpu: Any, sequence_parallel_size: int) -> Any:
     """The mpu the engine uses: the client's (checked against ``sequence_parallel_size`` when that is set), else
-    a ``SequenceParallelGroups`` for ``sequence_parallel_size > 1``, else None."""
+    a ``SequenceParallelGroups`` for ``sequence_parallel_size > 1`` (one per size and default group), else None."""
     if mpu is not None:
         has = int(mpu.get_sequence_parallel_world_size()) if hasattr(mpu, "get_sequence_parallel_world_size") else 1
         if sequence_parallel_size > 1 and has != sequence_parallel_size:
@@ -82,7 +87,11 @@ def sequence_mpu(mpu: Any, sequence_parallel_size: int) -> Any:
                                             "unset)", sequence_parallel_size))
         return mpu
     if sequence_parallel_size > 1:
-        return SequenceParallelGroups(sequence_parallel_size)
+        cached = _BUILT.get(sequence_parallel_size)
+        if cached is None or cached[0] is not dist.group.WORLD:  # groups of an earlier default group are gone
+            cached = (dist.group.WORLD, SequenceParallelGroups(sequence_parallel_size))
+            _BUILT[sequence_parallel_size] = cached
+        return cached[1]
     return None
 
 

@@ -29,19 +29,26 @@ from ds_zero.zero3._param import (
     write_partition_from_full,
 )
 from ds_zero.zeropp.frozen import is_stored_quantized, write_full
-from ds_zero.zeropp.gather import ZeroPPBatch, gather_kind, uses_zeropp
+from ds_zero.zeropp.gather import ZeroPPBatch, gather_kind, keep_secondary, uses_zeropp
 from ds_zero.zeropp.traffic import record
 
-_P2P_CACHE: dict[int, bool] = {}
+# id(group) -> (group, default group, world, decision): the entry holds the group so its id cannot be reused by
+# another group while cached, and is checked against the objects, so a group destroyed and recreated (a new
+# default group, a second engine's groups) never reads another group's decision
+_P2P_CACHE: dict[int, tuple[Any, Any, int, bool]] = {}
 # point to point, a partition of at least this many elements travels on its own (no packing copies)
 _DIRECT_NUMEL = 1 << 16
 
 
 def _use_p2p(space: Any) -> bool:
-    key = id(space.group)
-    if key not in _P2P_CACHE:
-        _P2P_CACHE[key] = dist.get_backend(space.group) == "gloo" and space.world <= P2P_MAX_WORLD
-    return _P2P_CACHE[key]
+    group, world = space.group, dist.group.WORLD
+    hit = _P2P_CACHE.get(id(group))
+    if hit is None or hit[0] is not group or hit[1] is not world or hit[2] != space.world:
+        if hit is not None and hit[1] is not world:  # a new default group: every cached group is gone
+            _P2P_CACHE.clear()
+        hit = (group, world, space.world, dist.get_backend(group) == "gloo" and space.world <= P2P_MAX_WORLD)
+        _P2P_CACHE[id(group)] = hit
+    return hit[3]
 
 
 class _Batch:
@@ -190,3 +197,5 @@ def broadcast_into_partitions(params: list[torch.nn.Parameter], src_rank: int) -
             write_full(p, p.data)
         else:
             write_partition_from_full(p, p.data)
+        if getattr(p, "ds_secondary", None) is not None:  # hpZ: backward gathers read the new values too
+            keep_secondary(p, p.data)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero.zero3.init import Init, _read_config
+from ds_zero.zero3.init import Init, _read_config, mpu_partition_group
 
 
 class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's class name)
@@ -39,8 +39,8 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's class name)
             raise ValueError(f"MiCS_Init: zero_optimization.mics_shard_size={zero.get('mics_shard_size')!r}; "
                              "accepted: a positive divisor of the data-parallel world size")
         dp_group = sequence_data_parallel_group or data_parallel_group
-        if dp_group is None and mpu is not None:
-            dp_group = mpu.get_data_parallel_group()
+        if dp_group is None and mpu is not None:  # with a sequence axis: the sequence-data group, as the engine
+            dp_group = mpu_partition_group(mpu)
         if not dist.is_initialized():
             from ds_zero.zero3.init import _ensure_process_group
 

@@ -110,7 +110,7 @@ class ZeroPPBatch:
                 full = full.clone()
             install_full(p, full)
             if self.space.secondary is not None and not self.secondary:
-                _keep_secondary(p, full)
+                keep_secondary(p, full)
             offset += size
         self.out = None
 
@@ -125,12 +125,12 @@ class ZeroPPBatch:
             full = torch.cat(pieces)[:p.ds_numel]
             install_full(p, full)
             if self.space.secondary is not None:
-                _keep_secondary(p, full)
+                keep_secondary(p, full)
             offset += size
         self.out = None
 
 
-def _keep_secondary(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+def keep_secondary(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     """hpZ: this rank's slice of the whole value for its secondary group."""
     group = param.ds_space.secondary
     part = math.ceil(param.ds_numel / group.world) if param.ds_numel else 0

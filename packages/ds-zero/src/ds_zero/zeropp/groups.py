@@ -73,9 +73,7 @@ def _new_group(ranks: list[int]) -> Any:
 def sub_group(parent: Any, outer: int, inner: int, kind: str) -> SubGroup:
     """This rank's group of ``kind`` (``"block"`` or ``"across"``) with ``inner`` ranks per inner block, inside
     its block of ``outer`` consecutive ranks of ``parent`` (None: the world). Collective over the world."""
-    if dist.group.WORLD is not _WORLD[0]:
-        _CACHE.clear()
-        _WORLD[0] = dist.group.WORLD
+    _drop_stale()
     mine = _ranks(parent)
     key = (tuple(mine), outer, inner, kind)
     if key not in _CACHE:
@@ -83,6 +81,23 @@ def sub_group(parent: Any, outer: int, inner: int, kind: str) -> SubGroup:
         check_size("partition group size", outer, len(mine))
         _CACHE[key] = _build(mine, outer, inner, kind)
     return _CACHE[key]
+
+
+def _drop_stale() -> None:
+    if dist.group.WORLD is not _WORLD[0]:  # a new default group: the cached groups belong to the old one
+        _CACHE.clear()
+        _WORLD[0] = dist.group.WORLD
+
+
+def single_group() -> SubGroup:
+    """This rank alone as a real process group (a MiCS shard group of one rank: the partitions are whole, and
+    ``None`` would mean the default group). Collective over the world: every rank creates every one-rank group."""
+    _drop_stale()
+    if ("single",) not in _CACHE:
+        me = dist.get_rank()
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _CACHE[("single",)] = SubGroup(groups[me], 1, 0)
+    return _CACHE[("single",)]
 
 
 def _build(mine: list[int], outer: int, inner: int, kind: str) -> SubGroup:

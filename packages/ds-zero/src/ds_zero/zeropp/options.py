@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_zero.zero3._param import PartitionSpace
-from ds_zero.zeropp.groups import SubGroup, across_group, block_group, check_size, sub_group
+from ds_zero.zeropp.groups import SubGroup, across_group, block_group, check_size, single_group, sub_group
 from ds_zero.zeropp.quant import DEFAULT_BLOCK
 
 
@@ -86,6 +86,8 @@ def partition_group(dp_group: Any, options: ZeroPPOptions) -> Any:
     if not options.mics:
         return dp_group
     check_size("mics_shard_size", options.mics_shard_size, _dp_world(dp_group))
+    if options.mics_shard_size == 1 and dist.is_initialized() and _dp_world(dp_group) > 1:
+        return single_group().group  # whole states on every rank, replicated over the data-parallel group
     return block_group(dp_group, options.mics_shard_size).group
 
 

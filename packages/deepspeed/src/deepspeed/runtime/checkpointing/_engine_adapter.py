@@ -31,9 +31,13 @@ def _typed_checkpoint_config(engine: Any) -> CheckpointConfig:
 
 
 def _parallel(engine: Any) -> ParallelInfo:
-    group = getattr(engine, "dp_group", None)
+    # sequence parallelism: ZeRO partitions over the sequence-data group, whose ranks hold different shards; as in
+    # DeepSpeed the files are named by the rank in that group (by the data-parallel rank, sequence ranks collide)
+    seq = int(getattr(engine, "sequence_parallel_size", 1) or 1) > 1
+    group = getattr(engine, "seq_dp_group" if seq else "dp_group", None)
     distributed = dist.is_available() and dist.is_initialized()
-    dp_size = int(getattr(engine, "dp_world_size", dist.get_world_size(group) if distributed else 1))
+    dp_size = int(getattr(engine, "seq_dp_world_size" if seq else "dp_world_size",
+                          dist.get_world_size(group) if distributed else 1))
     return ParallelInfo(
         global_rank=int(getattr(engine, "global_rank", dist.get_rank() if distributed else 0)),
         local_rank=int(getattr(engine, "local_rank", 0)),
