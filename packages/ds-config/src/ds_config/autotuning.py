@@ -33,6 +33,7 @@ class AutotuningConfig(DSConfigModel):
     metric: Literal["latency", "throughput", "FLOPS", "flops"] = "throughput"
     """Metric ranking the experiments: ``latency``, ``throughput`` or ``FLOPS``."""
     metric_path: str | None = None
+    """Where the engine writes an experiment's metrics (set by the Autotuner; default ``autotuning_metric.json``)."""
     start_profile_step: PosInt = 3
     """Global step at which profiling starts (after warm-up)."""
     end_profile_step: PosInt = 5
@@ -40,8 +41,11 @@ class AutotuningConfig(DSConfigModel):
     fast: Bool = True
     """Tune only ZeRO stages and micro batch sizes."""
     max_train_batch_size: PosInt | None = None
+    """Upper bound of the global batch of the tuned configurations (None: no bound)."""
     max_train_micro_batch_size_per_gpu: PosInt = 1024
+    """Largest micro batch size per rank tried."""
     min_train_micro_batch_size_per_gpu: PosInt = 1
+    """Fallback micro batch size when the user's does not run."""
     mp_size: PosInt = 1
     """Model-parallel size of the tuned job."""
     num_tuning_micro_batch_sizes: PosInt = 3
@@ -55,7 +59,9 @@ class AutotuningConfig(DSConfigModel):
     arg_mappings: dict[str, str] | None = None
     """Maps DeepSpeed config keys to the training script's command-line arguments."""
     model_info: ModelInfoConfig | None = None
+    """Model facts; ``num_params`` given skips the profile run, ``profile: true`` marks the profile run."""
     model_info_path: str | None = None
+    """Where the profile run writes the model info (set by the Autotuner)."""
 
     @model_validator(mode="after")
     def _profile_window(self) -> AutotuningConfig:

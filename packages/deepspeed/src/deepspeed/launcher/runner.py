@@ -39,7 +39,7 @@ from deepspeed.launcher.constants import (
 from deepspeed.launcher.multinode_runner import RUNNERS, PDSHRunner
 
 __all__ = ["fetch_hostfile", "parse_inclusion_exclusion", "parse_resource_filter", "encode_world_info",
-           "parse_args", "main", "cli", "_parse_hostfile"]
+           "parse_args", "main", "cli", "_parse_hostfile", "run_autotuning"]
 
 logger = logging.getLogger("deepspeed.launcher")
 
@@ -104,6 +104,9 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     _add_resource_args(parser)
     _add_launch_args(parser)
     _add_elastic_args(parser)
+    parser.add_argument("--autotuning", default="", choices=["tune", "run"], type=str,
+                        help="run the DeepSpeed Autotuner on the script's --deepspeed_config first: 'tune' writes "
+                             "the optimal config and stops, 'run' then launches the job with it")
     parser.add_argument("user_script", type=str, help="the training script (or module, or program)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
     return parser.parse_args(args)
@@ -286,7 +289,7 @@ def _run_multinode(args: argparse.Namespace, active: dict[str, list[int]], pool:
 def run(args: argparse.Namespace) -> int:
     """Launch the job described by parsed ``args``; returns the exit code."""
     env = dict(os.environ)
-    active, _, pool = select_resources_and_pool(args, env)
+    active, from_hostfile, pool = select_resources_and_pool(args, env)
     multi_node = args.force_multi or len(active) > 1
     ds_env = read_deepspeed_env([os.path.expanduser("~"), "."], DEEPSPEED_ENVIRONMENT_NAME)
     validate_elastic(args, active, multi_node)
@@ -294,10 +297,32 @@ def run(args: argparse.Namespace) -> int:
         _ssh_check(args, next(iter(active)))
     args.master_addr = _master_addr(args, active, multi_node)
     logger.info("Active resources: %s, master %s:%s", dict(active), args.master_addr, args.master_port)
+    if getattr(args, "autotuning", ""):
+        return run_autotuning(args, active, from_hostfile)
     if not multi_node or args.no_ssh:
         env.update(ds_env)
         return _run_local(args, active, env)
     return _run_multinode(args, active, pool, env, ds_env)
+
+
+def run_autotuning(args: argparse.Namespace, active_resources: dict[str, list[int]],
+                   from_hostfile: bool = False) -> int:
+    """``--autotuning tune|run``: search with :class:`deepspeed.autotuning.Autotuner`, write the results and
+    ``ds_config_optimal.json``; with ``run`` then launch the job with it. Returns the exit code (1 when no
+    experiment succeeded)."""
+    from deepspeed.autotuning import Autotuner
+
+    tuner = Autotuner(args, active_resources, from_hostfile=from_hostfile)
+    logger.info("[Start] Running autotuning")
+    tuner.tune()
+    tuner.print_tuning_results()
+    logger.info("[End] Running autotuning")
+    if tuner.write_optimal_config() is None:
+        logger.error("autotuning found no configuration that runs; see %s", tuner.results_dir)
+        return 1
+    if args.autotuning == "run":
+        return tuner.run_after_tuning()
+    return 0
 
 
 def _log_to_stderr() -> None:
