@@ -10,6 +10,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.config": "ds_config.zero",
     "deepspeed.runtime.zero.offload_config": "ds_config.zero",
     "deepspeed.inference.config": "ds_config.inference",
+    "deepspeed.inference.engine": "ds_inference.engine",  # init_inference's engine (ds-inference, issue 16)
     "deepspeed.monitor.config": "ds_config.monitor",
     # monitors (ds-monitor); deepspeed.monitor itself stays a namespace, as DeepSpeed's empty package
     "deepspeed.monitor.monitor": "ds_monitor.monitor",
@@ -36,6 +37,8 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.ops.op_builder": "ds_ops.op_builder",
     # block-sparse self-attention (ds-ops, issue 20)
     "deepspeed.ops.sparse_attention": "ds_ops.sparse_attention",
+    # the transformer kernel layer (ds-ops, issue 16)
+    "deepspeed.ops.transformer": "ds_ops.transformer",
     # ZeRO (ds-zero, issue 7)
     "deepspeed.runtime.zero.stage_1_and_2": "ds_zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3": "ds_zero.stage3",
@@ -59,7 +62,12 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.moe.sharded_moe": "ds_moe.sharded_moe",
     "deepspeed.moe.experts": "ds_moe.experts",
     "deepspeed.moe.utils": "ds_moe.utils",
-    "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep",  # AutoEP (the rest of module_inject is not built)
+    "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep",  # AutoEP
+    # AutoTP (ds-inference, issue 16); deepspeed.module_inject itself is a real package re-exporting these
+    "deepspeed.module_inject.layers": "ds_inference.autotp",
+    "deepspeed.module_inject.auto_tp": "ds_inference.autotp",
+    "deepspeed.module_inject.autotp_config": "ds_inference.autotp",
+    "deepspeed.module_inject.replace_module": "ds_inference.autotp",
     # elastic training batch arithmetic (ds-config, issue 17)
     "deepspeed.elasticity.elasticity": "ds_config.elastic",
     "deepspeed.elasticity.config": "ds_config.elasticity",
@@ -69,26 +77,14 @@ COMPAT_PATHS: dict[str, str] = {
 
 NOT_BUILT: dict[str, str] = {
     # documented module path (and everything below it) -> the feature it belongs to, not built in this version
-    "deepspeed.inference.engine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
-    "deepspeed.inference.v2": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
-    "deepspeed.module_inject": "inference kernel injection and AutoTP (deepspeed.module_inject)",
-    "deepspeed.ops.transformer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
-    "deepspeed.compile": "DeepCompile and AutoSP (deepspeed.compile)",
-    "deepspeed.autotuning": "autotuning (deepspeed --autotuning)",
-    "deepspeed.runtime.data_pipeline.data_sampling": "data efficiency sampling (DataAnalyzer, DeepSpeedDataSampler)",
-    "deepspeed.compression": "model compression (deepspeed.compression)",
+    "deepspeed.inference.v2": "DeepSpeed-FastGen ragged-batching inference (deepspeed.inference.v2)",
+    "deepspeed.module_inject.containers": "inference kernel injection (deepspeed.module_inject.containers)",
+    "deepspeed.ops.transformer.inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
 }
 """Documented paths of features this version does not have yet: importing one raises ``FeatureNotAvailable`` (a
 ``ModuleNotFoundError``) naming the feature, instead of a bare "No module named ...". Rows leave as features land."""
 
 NOT_BUILT_NAMES: dict[str, str] = {
-    "init_inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
-    "tp_model_init": "automatic tensor-parallel training (deepspeed.tp_model_init)",
-    "set_autotp_mode": "automatic tensor-parallel training (deepspeed.tp_model_init)",
-    "InferenceEngine": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
-    "default_inference_config": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
-    "DeepSpeedTransformerLayer": "the transformer kernel layer (DeepSpeedTransformerLayer)",
-    "DeepSpeedTransformerConfig": "the transformer kernel layer (DeepSpeedTransformerLayer)",
 }
 """Documented top-level ``deepspeed.<name>`` attributes of features not built yet (an ``AttributeError`` naming
 them)."""

@@ -91,13 +91,21 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         from deepspeed.runtime.pipe.engine import PipelineEngine, pipeline_mpu
 
         mpu, engine_class = pipeline_mpu(pipe, mpu), PipelineEngine
+    ds_config = load_config(source)
+    if pipe is None:  # AutoTP: shard the model, tensor/data groups as the mpu
+        from deepspeed.runtime._autotp_setup import apply_autotp
+
+        mpu, model_parameters, optimizer = apply_autotp(model, ds_config, mpu, model_parameters, optimizer)
+    if ds_config.sequence_parallel_size > 1 or mpu is not None:  # sequence groups of the config's size
+        from deepspeed.sequence._groups import sequence_mpu
+
+        mpu = sequence_mpu(mpu, ds_config.sequence_parallel_size)
     if mpu is not None:
         from deepspeed.utils import groups
 
         groups.register_mpu(mpu)  # deepspeed.utils.groups' accessors read the same groups the engine uses
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-    ds_config = load_config(source)
     ds_config.require_resolved()  # every key still "auto" in one error, before the batch arithmetic
     ds_config.resolve_batch(dp_world)
     if pipe is not None:

@@ -15,7 +15,7 @@ from pydantic import Field, PlainValidator, PrivateAttr, field_validator, model_
 
 from ds_config._base import AUTO, Deprecated, DeprecatedConfigWarning, DSConfigModel, KeepAuto, keeps_auto
 from ds_config._errors import ConfigError, ConfigProblem, join_path
-from ds_config._types import Auto, AutoPosInt, Bool, DType, Float
+from ds_config._types import Auto, AutoPosInt, Bool, DType, Float, PosInt
 from ds_config.activation_checkpointing import ActivationCheckpointingConfig
 from ds_config.aio import AioConfig
 from ds_config.autotuning import AutotuningConfig
@@ -93,6 +93,9 @@ class DeepSpeedConfig(DSConfigModel):
     """dtype of gradient communication; ``None`` follows the training precision."""
     seq_parallel_communication_data_type: DType = "fp32"
     """dtype of sequence-parallel communication."""
+    sequence_parallel_size: PosInt = 1
+    """Ranks that split each sample's sequence (DeepSpeed-Ulysses, AutoSP); without a client ``mpu`` the engine
+    builds groups of this many consecutive ranks, and the data-parallel size is the world size over it."""
     disable_allgather: Bool = False
 
     # -- precision --

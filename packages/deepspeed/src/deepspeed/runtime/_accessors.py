@@ -52,6 +52,18 @@ class ConfigAccessors:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(getattr(self._config.zero_optimization, "gather_16bit_weights_on_model_save", False))
 
+    def zero_hpz_partition_size(self) -> int:  # ZeRO++
+        return self._config.zero_optimization.zero_hpz_partition_size
+
+    def zero_quantized_weights(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_weights
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_nontrainable_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_gradients
+
     # ---- precision ----
     def fp16_enabled(self) -> bool:
         return self._config.fp16_enabled

@@ -2,7 +2,8 @@
 optimizer wrapper and its reduce-scatter from ``zero_optimization``.
 
 Every documented ``zero_optimization`` field is either honoured by ds-zero or rejected here with the reason
-(NVMe offload, ZeRO++ and MiCS come with ZeRO-Infinity; ZenFlow and the legacy stage 1 are not available).
+(NVMe offload comes with ZeRO-Infinity; ZeRO++ and MiCS are ``ds_zero.zeropp``; ZenFlow and the legacy stage 1
+are not available).
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ def _unsupported(config: Any, mpu: Any, module: torch.nn.Module) -> list[ConfigP
     zero = config.zero_optimization
     later = "is part of ZeRO-Infinity/ZeRO++/MiCS, not available in this version; accepted here"
     problems = []
-    for key, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
-        if section is not None and str(section.device).endswith("nvme"):
-            problems.append(_problem(f"{key}.device", f"NVMe offload {later}: none or cpu", "nvme"))
-    off = zero.offload_optimizer
-    if off is not None and float(off.ratio) != 1.0:
-        problems.append(_problem("offload_optimizer.ratio", f"partial optimizer offload {later}: 1.0", off.ratio))
+    off = zero.offload_optimizer  # device nvme: ZeRO-Infinity (ds_zero.swap), ratio: the share of it on NVMe
+    if off is not None and float(off.ratio) != 1.0 and not str(off.device).endswith("nvme"):
+        problems.append(_problem("offload_optimizer.ratio", "partial offload is the share of the sub-groups on "
+                                 "NVMe (device nvme); accepted with device cpu: 1.0", off.ratio))
     if off is not None and off.super_offload:
         problems.append(_problem("offload_optimizer.super_offload", "SuperOffload is not available in this "
                                  "version; accepted: false", True))
-    problems += zero_plus_plus_problems(zero, f"this option {later}")
+    # ZeRO++ and MiCS are honoured at stage 3 (ds_zero.zeropp); of that list only ZenFlow is not available
+    problems += [p for p in zero_plus_plus_problems(zero, later) if p.path.endswith(".zenflow")]
     if zero.legacy_stage1:
         problems.append(_problem("legacy_stage1", "a stage 1 option; accepted with stage 3: false", True))
     pipe = mpu.get_pipe_parallel_world_size() if mpu is not None and hasattr(mpu, "get_pipe_parallel_world_size") \
@@ -71,7 +71,7 @@ def _leaf_rule(zero: Any) -> Any:
 
 def _partition_device(config: Any, device: torch.device) -> torch.device:
     par = config.zero_optimization.offload_param
-    return torch.device("cpu") if par is not None and str(par.device).endswith("cpu") else device
+    return torch.device("cpu") if par is not None and str(par.device).endswith(("cpu", "nvme")) else device
 
 
 def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device: torch.device,
@@ -79,39 +79,75 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
     """Partition every parameter of ``module`` over ``dp_group`` (those built under ``zero.Init`` already are)
     and install the gather/release hooks; returns the ``ParamScheduler``."""
     from deepspeed.runtime._setup import broadcast_module
+    from ds_zero.swap.from_config import param_swap_settings, swap_params
     from ds_zero.zero3._param import PartitionSpace, convert_param, is_partitioned
     from ds_zero.zero3._schedule import ParamScheduler
     from ds_zero.zero3.state_dict_hooks import install_state_dict_hooks
+    from ds_zero.zeropp.frozen import quantize_nontrainable
+    from ds_zero.zeropp.options import ZeroPPOptions, partition_group, zeropp_space
 
     problems = _unsupported(config, mpu, module)
     if problems:
         raise ConfigError(*problems)
     zero = config.zero_optimization
-    space = PartitionSpace.of(dp_group, _partition_device(config, device), device, comm=comm,
+    zpp = ZeroPPOptions.from_config(zero)  # MiCS: partitions live in the shard group, replicated across them
+    space = PartitionSpace.of(partition_group(dp_group, zpp), _partition_device(config, device), device, comm=comm,
                               fetch_all_reduce=bool(zero.use_all_reduce_for_fetch_params),
                               sequential=bool(zero.allgather_sequential))
+    space = zeropp_space(space, dp_group, zpp)
     whole = [p for p in module.parameters() if not is_partitioned(p)]
-    for p in module.parameters():
-        if is_partitioned(p):
-            _adopt_partitioned(p, space)
+    adopted = [p for p in module.parameters() if is_partitioned(p)]
+    _check_same_ranks(adopted, space)
+    for p in adopted:
+        _adopt_partitioned(p, space)
     broadcast_module(module, dp_group, params=whole)
     for p in whole:
         convert_param(p, space)
+    swap_params([p for p in module.parameters() if is_partitioned(p)],  # offload_param nvme: ZeRO-Infinity
+                param_swap_settings(zero.offload_param, config.aio))
+    if zpp.zero_quantized_nontrainable_weights:  # frozen partitions stored int8 (those on NVMe keep their dtype)
+        quantize_nontrainable(module.parameters(), zpp.block)
     scheduler = ParamScheduler(module, _schedule_settings(zero), _leaf_rule(zero))
+    scheduler.partition_parent = dp_group  # build_zero3_stage reduces over the same group (MiCS: its sub-groups)
     install_state_dict_hooks(module)
     return scheduler
 
 
+def _group_ranks(group: Any) -> list[int]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def _check_same_ranks(adopted: list[torch.nn.Parameter], space: Any) -> None:
+    """Parameters built under ``zero.Init``/``MiCS_Init`` must be partitioned over the engine's ranks: a group of
+    the same size and place but other members (e.g. the data-parallel group where the engine partitions over the
+    sequence-data group) would silently pair this rank's partition with another rank's."""
+    engine = _group_ranks(space.group)
+    for group in {id(p.ds_space.group): p.ds_space.group for p in adopted}.values():
+        ranks = _group_ranks(group)
+        if ranks != engine:
+            raise ConfigError(ConfigProblem(
+                "zero_optimization.stage", f"parameters were partitioned by zero.Init over ranks {ranks}, but the "
+                f"engine partitions over ranks {engine} (its data-parallel group, the sequence-data-parallel group "
+                "with sequence parallelism, or this rank's MiCS shard group); build the model under zero.Init "
+                "(deepspeed.zero.MiCS_Init with mics_shard_size) with the same group or mpu as deepspeed.initialize",
+                3))
+
+
 def _adopt_partitioned(param: torch.nn.Parameter, space: Any) -> None:
     """A parameter built under ``zero.Init``: its partition follows the engine's dtype and offload device."""
+    from ds_zero.zero3._param import retarget_partition
+
     if param.ds_space.world != space.world or param.ds_space.rank != space.rank:
         raise ConfigError(ConfigProblem("zero_optimization.stage", f"a parameter (shape {tuple(param.ds_shape)}) was "
                                         f"partitioned by zero.Init over {param.ds_space.world} ranks, but the engine's "
                                         f"data-parallel group has {space.world}; build the model under zero.Init with "
                                         "the same data_parallel_group (or mpu) as deepspeed.initialize", 3))
     if param.ds_tensor.dtype != param.dtype or param.ds_tensor.device != space.device:
-        param.ds_tensor = param.ds_tensor.to(space.device, param.dtype)
-        param.ds_tensor.ds_numel = param.ds_tensor.numel()
+        retarget_partition(param, space.device, param.dtype)  # a partition on NVMe stays there
     if param.data.device != space.compute_device:
         param.data = torch.empty(0, dtype=param.dtype, device=space.compute_device)
     param.ds_space = space
@@ -119,11 +155,12 @@ def _adopt_partitioned(param: torch.nn.Parameter, space: Any) -> None:
 
 def zero3_settings(config: Any) -> Any:
     from ds_zero.stage_1_and_2 import ReduceSettings
+    from ds_zero.swap.from_config import optimizer_swap_settings
     from ds_zero.zero3.optimizer import Zero3Settings
 
     zero = config.zero_optimization
     off = zero.offload_optimizer
-    offload = off is not None and str(off.device).endswith("cpu")
+    offload = off is not None and str(off.device).endswith(("cpu", "nvme"))  # nvme: steps on the CPU too
     reduce = ReduceSettings(
         bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
         contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
@@ -137,14 +174,17 @@ def zero3_settings(config: Any) -> Any:
                          fp32_grad_accum=_grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
                          offload_optimizer=offload, pin_memory=bool(off.pin_memory) if offload else False,
                          load_from_fp32_weights=bool(zero.load_from_fp32_weights),
-                         sub_group_size=int(zero.sub_group_size))
+                         sub_group_size=int(zero.sub_group_size),
+                         optimizer_swap=optimizer_swap_settings(off, config.aio))
 
 
 def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """The ZeRO-3 optimizer wrapper over the partitioned model and its reduce-scatter."""
     from deepspeed.__about__ import __version__
+    from deepspeed.sequence._groups import sequence_factor, sum_over_sequence_ranks
     from ds_zero.zero3.checkpoint_shards import Zero3CheckpointShards
     from ds_zero.zero3.optimizer import DeepSpeedZeroOptimizer_Stage3
+    from ds_zero.zeropp.options import ZeroPPOptions, configure_reducer, partition_group
 
     config = inputs.config
     if inputs.scheduler is None:
@@ -155,8 +195,16 @@ def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRe
     names: dict[torch.nn.Parameter, str] = {}
     for name, p in inputs.module.named_parameters():
         names.setdefault(p, name)
+    zpp = ZeroPPOptions.from_config(config.zero_optimization)
+    factor = sequence_factor(inputs.reduce_group, inputs.dp_group, inputs.dp_world_size)
+    # the group the model was partitioned over (sequence parallel: the sequence-data group), so the reduce-scatter
+    # (MiCS: its shard and replica sub-groups) pairs every rank with the partition it holds
+    group = getattr(inputs.scheduler, "partition_parent", inputs.reduce_group if factor > 1 else inputs.dp_group)
     wrapper = DeepSpeedZeroOptimizer_Stage3(inputs.basic_optimizer, inputs.params, names, inputs.scheduler, settings,
-                                            loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm)
+                                            loss_scaler=_loss_scaler(config),
+                                            dp_group=partition_group(group, zpp), comm=comm)
+    configure_reducer(wrapper.reducer, group, zpp, comm)  # MiCS replicas, qgZ
+    sum_over_sequence_ranks(wrapper.reducer, factor)
     wrapper.checkpoint_shards = (Zero3CheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                        bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer

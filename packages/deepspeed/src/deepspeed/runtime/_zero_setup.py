@@ -136,6 +136,7 @@ def moe_group_comms(optimizer: torch.optim.Optimizer, dp_world_size: int) -> dic
 def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """Stage 1 or 2 (``inputs.config.zero_stage``): the partitioned optimizer wrapper and its reducer."""
     from deepspeed.__about__ import __version__
+    from deepspeed.sequence._groups import sequence_factor, zero12_group_comms
     from ds_zero._grad_norm import norm_scope
     from ds_zero.checkpoint import ZeroCheckpointShards
     from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -147,11 +148,14 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
     names: dict[torch.nn.Parameter, str] = {}
     for name, p in inputs.module.named_parameters():
         names.setdefault(p, name)
+    group, group_comms = inputs.dp_group, moe_group_comms(inputs.basic_optimizer, inputs.dp_world_size)
+    if sequence_factor(inputs.reduce_group, inputs.dp_group, inputs.dp_world_size) > 1:  # over seq x data ranks
+        group = inputs.reduce_group
+        group_comms = zero12_group_comms(inputs.basic_optimizer, group, inputs.dp_world_size)
     # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
     wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
-                                     loss_scaler=_loss_scaler(config), dp_group=inputs.dp_group, comm=comm,
-                                     norm_scope=norm_scope(inputs.mpu),
-                                     group_comms=moe_group_comms(inputs.basic_optimizer, inputs.dp_world_size))
+                                     loss_scaler=_loss_scaler(config), dp_group=group, comm=comm,
+                                     norm_scope=norm_scope(inputs.mpu), group_comms=group_comms)
     wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                       bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer

@@ -64,7 +64,9 @@ class DeepSpeedConfig:
 
     def __init__(self, config: str | dict, mpu: Any = None, mesh_device: Any = None) -> None:
         self._param_dict: dict[str, Any] = config if isinstance(config, dict) else read_source(config)
-        self.global_rank, self.world_size = _rank_and_data_parallel_size(mpu, mesh_device)
+        sp = self._param_dict.get("sequence_parallel_size", 1)  # validated by load_config below
+        self.global_rank, self.world_size = _rank_and_data_parallel_size(mpu, mesh_device,
+                                                                         sp if isinstance(sp, int) and sp > 0 else 1)
         self.typed_config: TypedDeepSpeedConfig = load_config(self._param_dict, world_size=self.world_size)
         self._initialize_params(self.typed_config)
 
@@ -109,9 +111,10 @@ class DeepSpeedConfigWriter:
             json.dump(self.data, f)
 
 
-def _rank_and_data_parallel_size(mpu: Any, mesh_device: Any) -> tuple[int, int]:
+def _rank_and_data_parallel_size(mpu: Any, mesh_device: Any, sequence_parallel_size: int = 1) -> tuple[int, int]:
     """(global rank, data-parallel world size) as DeepSpeed derives them; rank 0 and size 1 without a process
-    group. ``torch.distributed`` is only consulted when already imported (it cannot be initialised otherwise)."""
+    group. ``torch.distributed`` is only consulted when already imported (it cannot be initialised otherwise).
+    Without an mpu or mesh, the config's ``sequence_parallel_size`` ranks share each sample."""
     dist = sys.modules.get("torch.distributed")
     ready = dist is not None and dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if ready else 0
@@ -123,7 +126,7 @@ def _rank_and_data_parallel_size(mpu: Any, mesh_device: Any) -> tuple[int, int]:
         return rank, dist.get_world_size() // int(mpu.get_sequence_parallel_world_size())
     if mesh_device is not None:
         return rank, dist.get_world_size(mesh_device.get_group(mesh_dim="data_parallel"))
-    return rank, dist.get_world_size()
+    return rank, max(dist.get_world_size() // sequence_parallel_size, 1)
 
 
 def _torch_dtype(short: str | None) -> Any:

@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
+from deepspeed.autotuning._probe import attach_probe as attach_autotuning_probe
 from deepspeed.runtime import _data_efficiency, _moe_setup, _setup
 from deepspeed.runtime._accessors import ConfigAccessors
+from deepspeed.runtime._compression_setup import build_compression_scheduler
 from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
 from deepspeed.runtime._zero3_engine import Zero3EngineMethods
 from deepspeed.runtime.optimizer_wrapper import trainable
@@ -55,6 +57,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._place(mpu, dp_group)
         self.module = _setup.prepare_module(model, config, self.device)
+        self.compression_scheduler = build_compression_scheduler(self, config)  # compression_training
         self.has_moe_layers = _moe_setup.has_moe(self.module)
         if self.has_moe_layers:
             if config.zero_stage == 3:
@@ -65,15 +68,15 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         if config.zero_stage == 3:
             from deepspeed.runtime._zero3_setup import partition_model
 
-            self.zero3_scheduler = partition_model(self.module, config, self.dp_group, self.device, mpu)
+            # partitioned over the sequence-data group: sequence ranks hold the same weights (DeepSpeed's seq_dp)
+            self.zero3_scheduler = partition_model(self.module, config, self.seq_dp_group, self.device, mpu)
         elif self.has_moe_layers:
             _moe_setup.broadcast_module(self.module, self.dp_group)
         else:
             _setup.broadcast_module(self.module, self.seq_dp_group)
-        if self.sequence_parallel_size > 1 and (config.zero_stage > 0 or self.has_moe_layers):
-            raise ConfigError(ConfigProblem("zero_optimization.stage", "sequence parallelism trains with ZeRO stage 0 "
-                                            "and without MoE layers in this version; accepted: 0",
-                                            config.zero_stage))
+        if self.sequence_parallel_size > 1 and self.has_moe_layers:
+            raise ConfigError(ConfigProblem("sequence_parallel_size", "sequence parallelism trains models without "
+                                            "MoE layers in this version; accepted: 1", self.sequence_parallel_size))
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
         self._released: str | None = None  # why this engine may no longer train (see _release)
@@ -82,6 +85,10 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
             from deepspeed.runtime._moe_checkpoint import MoECheckpointShards
 
             self.checkpoint_shards = (*self.checkpoint_shards, MoECheckpointShards(self))
+        if self.mp_world_size > 1:  # AutoTP-sharded layers: full weights in the checkpoints
+            from deepspeed.runtime._autotp_setup import checkpoint_shards
+
+            self.checkpoint_shards = checkpoint_shards(self)
         self._configure_training_state()
         self.data_efficiency = _data_efficiency.build(config, self.train_batch_size(),
                                                       self.train_micro_batch_size_per_gpu())
@@ -89,8 +96,13 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
                                     if training_data is not None else None)
         self.monitor = _setup.build_monitor(config)
         self.flops_profiler = _setup.build_flops_profiler(self.module, config, self)
-        if config.compile.enabled or config.compile.deepcompile:
-            self.compile()
+        self.autotuning_probe = attach_autotuning_probe(self, config.autotuning)  # writes metrics, then exits
+        if config.compile.deepcompile:  # as in DeepSpeed, DeepCompile runs at engine.compile(); checked now
+            from deepspeed.compile._engine import check_deepcompile
+
+            check_deepcompile(config.compile)
+        elif config.compile.enabled:
+            self.compile(backend=config.compile.backend)
         from deepspeed import git_version_info
 
         log_dist(f"DeepSpeed info: version={__version__}, git-hash={git_version_info.git_hash}, "
@@ -145,9 +157,15 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         if self.has_moe_layers and not isinstance(optimizer, torch.optim.Optimizer):
             chosen = _moe_setup.param_groups(chosen)  # as DeepSpeed: expert parameters in their own groups
         offload = self._config.zero_optimization.offload_optimizer
-        cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith("cpu")
+        cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith(("cpu", "nvme"))
         self.basic_optimizer = build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
         check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
+        if self.sequence_parallel_size > 1 and getattr(self.basic_optimizer, "communicates_gradients", False):
+            # they average over the data-parallel group only: the sequence ranks' weights would drift apart
+            raise ConfigError(ConfigProblem("sequence_parallel_size", "1-bit optimizers (OneBitAdam, OneBitLamb, "
+                                            "ZeroOneAdam) exchange gradients over the data-parallel group themselves "
+                                            "and cannot sum them over the sequence ranks; accepted with a 1-bit "
+                                            "optimizer: 1", self.sequence_parallel_size))
         trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
                                     self.dp_world_size, scheduler=self.zero3_scheduler, mpu=self.mpu,
@@ -382,6 +400,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         if self.optimizer.step():
             self._step_applied = True
+            if self.compression_scheduler is not None:
+                self.compression_scheduler.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
@@ -417,11 +437,19 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
     def curriculum_enabled_legacy(self) -> bool:
         return self.data_efficiency is not None and self.data_efficiency.curriculum is not None
 
-    def set_custom_curriculum_learning_schedule(self, schedule_func: Any) -> None:
-        """The difficulty at a global step comes from ``schedule_func(step)`` (curriculum ``schedule_type: custom``)."""
-        if not self.curriculum_enabled_legacy():
-            raise RuntimeError("set_custom_curriculum_learning_schedule: curriculum_learning is not enabled")
-        self.data_efficiency.curriculum.set_custom_get_difficulty(schedule_func)
+    def curriculum_learning_enabled(self) -> bool:
+        """Whether ``data_efficiency.data_sampling.curriculum_learning`` (curriculum data sampling) is on."""
+        return _data_efficiency.curriculum_sampling_enabled(self._config)
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
+        """``{metric: fn(step) -> difficulty}`` for curriculum metrics with ``schedule_type: custom`` (or, for the
+        legacy ``curriculum_learning`` section, one ``fn``)."""
+        _data_efficiency.set_custom_schedule(self, schedule_func_dict)
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """The random-LTD ``RandomLTDScheduler`` (saved in checkpoints), or None."""
+        return self.data_efficiency.random_ltd if self.data_efficiency is not None else None
 
     def random_ltd_enabled(self) -> bool:
         return self.data_efficiency is not None and self.data_efficiency.random_ltd is not None
@@ -469,10 +497,15 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
             raise TypeError(f"deepspeed_io: training data must be a torch.utils.data.Dataset, got "
                             f"{type(dataset).__name__}")
         rank = dist.get_rank(self.dp_group) if self.dp_world_size > 1 else 0
+        dynamic = _data_efficiency.dynamic_batching_io(self, dataset, route, data_sampler, collate_fn)
+        if dynamic is not None:  # data_efficiency.data_sampling.dynamic_batching: token-budget micro batches
+            return DeepSpeedDataLoader(local_rank=self.local_rank, tput_timer=None, data_parallel_rank=rank,
+                                       data_parallel_world_size=self.dp_world_size, **dynamic)
         return DeepSpeedDataLoader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), pin_memory,
                                    self.local_rank, None, collate_fn=collate_fn,
                                    num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
-                                   data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank)
+                                   data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank,
+                                   deepspeed_dataloader_config=_data_efficiency.dataloader_config(self, route))
 
     # ---- checkpoints (deepspeed.runtime.checkpointing) ------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
@@ -512,6 +545,10 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
                          "stage3_gather_16bit_weights_on_model_save is False", ranks=[0], level=logging.WARNING)
                 return False
             state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        elif self.mp_world_size > 1:  # AutoTP: the full weights, gathered over the tensor group (collective)
+            from deepspeed.runtime._autotp_setup import full_module_state
+
+            state_dict = full_module_state(self.module)
         return checkpointing.save_16bit_model(self, save_dir, save_filename,
                                               exclude_frozen_parameters=exclude_frozen_parameters,
                                               state_dict=state_dict)
@@ -540,13 +577,14 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
                                f"runs stage {self.zero_optimization_stage()}"
                                f"{'' if self.optimizer is not None else ' without an optimizer'}")
 
-    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None) -> None:
-        """``torch.compile`` the wrapped module in place (backend/kwargs default to the ``compile`` section)."""
-        section = self._config.compile
-        if section.deepcompile:
-            raise ConfigError(ConfigProblem("compile.deepcompile", "DeepCompile is not available in this version; "
-                                            "plain torch.compile (compile.enabled) is", True))
-        self.module.compile(backend=backend or section.backend, **{**section.kwargs, **(compile_kwargs or {})})
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] = {},  # noqa: B006 (read only)
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` the wrapped module in place (``compile_kwargs`` over the ``compile`` section's
+        ``kwargs``); with ``compile.deepcompile`` and ``passes: ["autosp"]``, through the AutoSP pass
+        (``deepspeed.compile``). ``schedule`` and ``compiled_autograd_enabled`` are DeepCompile's ZeRO options."""
+        from deepspeed.compile._engine import compile_engine
+
+        compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
         self._is_compiled = True
 
     @property
