@@ -101,3 +101,97 @@ def test_buffer_pool_is_bounded():
         pool.put(a)
     pool.put(b)
     assert pool.free == 2
+
+
+def test_swap_uses_only_the_public_surface_of_ds_ops_aio():
+    """ds_zero builds on ``ds_ops.aio``'s documented names, never on its private modules."""
+    import ast
+
+    import ds_ops.aio as aio
+    import ds_zero
+
+    root = os.path.dirname(ds_zero.__file__)
+    private = []
+    for folder, _, files in os.walk(root):
+        for name in (f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                private += [m for m in mods if m.startswith("ds_ops") and any(s.startswith("_") for s in m.split("."))]
+    assert private == []
+    t = aio.page_aligned_empty(1000, torch.float16)
+    assert t.numel() == 1000 and t.dtype == torch.float16 and t.data_ptr() % 4096 == 0
+    locked = aio.new_cpu_locked_tensor(100, torch.float32)
+    assert locked.data_ptr() % 4096 == 0 and aio.is_locked_tensor(locked)
+    aio.free_cpu_locked_tensor(locked)
+    assert not aio.is_locked_tensor(locked)
+    with pytest.raises(ValueError, match="numel"):
+        aio.page_aligned_empty(-1, torch.float32)
+
+
+def test_optimizer_swapper_recovers_after_a_failed_step(tmp_path):
+    """A step that fails midway (here the optimizer raises on the second sub-group, the first one's write in
+    flight) leaves no buffer out of the pool and no write in flight: the next run reads what was written."""
+    swapper = _swapper(tmp_path, "fail", buffer_count=4, pipeline_read=True, pipeline_write=True)
+    swapper.init_masters((i, lambda i=i: torch.full((50,), float(i))) for i in range(3))
+
+    def bad(i: int, tensors: dict) -> dict:
+        if i == 1:
+            raise RuntimeError("optimizer failed")
+        tensors["master"].add_(10.0)
+        return tensors
+
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        swapper.run([0, 1, 2], bad)
+    assert swapper.pool.free == swapper.pool.count
+    swapper.run([0, 1, 2], lambda i, t: t)  # would fail on buffer_count (buffers lost) before the fix
+    assert torch.equal(swapper.read_new(0)["master"], torch.full((50,), 10.0))
+    assert torch.equal(swapper.read_new(1)["master"], torch.full((50,), 1.0))
+    swapper.close()
+
+
+def test_param_swapper_failed_read_is_never_installed(tmp_path, monkeypatch):
+    """An I/O error reported at ``wait`` (EIO from the device; injected here, after the real wait) must not
+    leave the batch's buffers to be installed later as if they held the partitions."""
+    settings = ParamSwapSettings(nvme_path=str(tmp_path), buffer_count=2, buffer_size=64, max_in_cpu=0)
+    swapper = ParamSwapper(settings, rank=0)
+    params = [_param(0, 40), _param(1, 40)]
+    for p in params:
+        swapper.adopt(p)
+    real_wait = swapper.reader.wait
+
+    def failing_wait() -> int:
+        real_wait()
+        raise AioError("async_pread", swapper.path(params[1]), 5, "injected I/O error")
+
+    assert swapper.prefetch(params) == 2
+    monkeypatch.setattr(swapper.reader, "wait", failing_wait)
+    with pytest.raises(AioError, match="swap in parameter partitions") as err:
+        swapper.swap_in(params)
+    assert swapper.path(params[1]) in str(err.value)
+    assert not swapper.reading and not swapper.resident
+    assert all(p.ds_tensor.device.type == "meta" for p in params)
+    assert swapper._pools[torch.bfloat16].free == 2  # the buffers went back
+    monkeypatch.setattr(swapper.reader, "wait", real_wait)
+    swapper.swap_in(params)  # read again, not the failed batch's buffers
+    for p in params:
+        assert torch.equal(p.ds_tensor, torch.arange(40, dtype=torch.bfloat16) + p.ds_id)
+    swapper.close()
+
+
+def test_param_write_during_a_prefetch_wins(tmp_path):
+    """A partition rewritten while its prefetch is in flight (a ``GatheredParameters`` modifier, a debug setter)
+    must be gathered with the new value, not the one the prefetch read."""
+    settings = ParamSwapSettings(nvme_path=str(tmp_path), buffer_count=2, buffer_size=64, max_in_cpu=0)
+    swapper = ParamSwapper(settings, rank=0)
+    p = _param(0, 40)
+    swapper.adopt(p)
+    assert swapper.prefetch([p]) == 1
+    swapper.write(p, torch.full((40,), 3.0))
+    swapper.swap_in([p])
+    assert torch.equal(p.ds_tensor, torch.full((40,), 3.0, dtype=torch.bfloat16))
+    swapper.release([p])
+    assert torch.equal(swapper.read_copy(p), torch.full((40,), 3.0, dtype=torch.bfloat16))
+    swapper.close()

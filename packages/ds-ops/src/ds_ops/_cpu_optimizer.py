@@ -162,6 +162,15 @@ class CPUOptimizer(torch.optim.Optimizer):
         return late
 
     # ---- state_dict -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, with each ``step`` a float32 scalar tensor as ``torch.optim.Adam``/``Adagrad`` save
+        it: the state then loads into torch's optimizers, whose fused and foreach kernels take tensor steps
+        only (a resume that turns ``offload_optimizer`` off). In memory the step stays an int (the kernel's)."""
+        sd = super().state_dict()
+        sd["state"] = {k: {**v, "step": torch.tensor(float(v["step"]), dtype=torch.float32)}
+                       if "step" in v and not torch.is_tensor(v["step"]) else v for k, v in sd["state"].items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own or a torch optimizer's state_dict (matching names; ``step`` as int or tensor).
 

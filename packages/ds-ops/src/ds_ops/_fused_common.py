@@ -40,6 +40,28 @@ class FusedOptimizer(torch.optim.Optimizer, abc.ABC):
         """Drop grads (``set_grad_none=True``, the default) or zero them in place."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, then each ``step`` in this optimizer's form: a float32 tensor on the param's device
+        (``TENSOR_STEP``, what torch's fused kernels take) or an int, whatever form the saving optimizer used
+        (DeepSpeed's CPU optimizers count in ints; a resume may switch ``offload_optimizer`` on or off). Group keys
+        the saved groups lack keep their current values."""
+        before = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, old in zip(self.param_groups, before, strict=True):
+            for key, value in old.items():  # keys another optimizer does not save (torch's Adam: bias_correction)
+                group.setdefault(key, value)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "step" not in state:
+                    continue
+                step = state["step"]
+                if self.TENSOR_STEP:
+                    state["step"] = (step.detach().to(device=p.device, dtype=torch.float32).reshape(())
+                                     if torch.is_tensor(step)
+                                     else torch.tensor(float(step), dtype=torch.float32, device=p.device))
+                elif torch.is_tensor(step):
+                    state["step"] = int(step.item())
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every group; returns the closure's loss (evaluated with grad enabled) or None."""

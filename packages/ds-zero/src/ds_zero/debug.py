@@ -14,13 +14,16 @@ between boundaries, or on one rank) it is the rank's local full gradient. Under 
 gradient values carry the current loss scale, as in DeepSpeed (the step unscales them).
 
 The ``safe_*_local_*`` functions address ZeRO-3 partitions; for any other parameter they raise, as DeepSpeed
-does for parameters without a ``ds_id``.
+does for parameters without a ``ds_id``. Under ZeRO-Infinity the sub-group holding a parameter may keep its fp32
+master, optimizer states and gradient on NVMe: each call reads that sub-group in for its duration and, when it
+modifies it, writes it back (and the 16-bit partition through to its swap file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +100,19 @@ def _numel(param: torch.nn.Parameter) -> int:
 
 def _shape(param: torch.nn.Parameter) -> torch.Size:
     return param.ds_shape if is_zero_param(param) else param.shape
+
+
+@contextlib.contextmanager
+def _resident(opt: Any, params: Sequence[torch.nn.Parameter], write_back: bool, grads: bool = False) -> Iterator[None]:
+    """ZeRO-Infinity: the NVMe sub-groups of ``params`` (masters and optimizer states, or with ``grads`` the
+    gradient partitions) in memory for the duration, written back afterwards when ``write_back``."""
+    find = getattr(opt, "swapped_sub_groups", None)
+    ids = find(params) if find is not None else []
+    if not ids:
+        yield
+        return
+    with (opt.grads_materialized(ids, write_back) if grads else opt.materialized(write_back, ids)):
+        yield
 
 
 def _flat_value(param: torch.nn.Parameter, value: Any, call: str) -> torch.Tensor:
@@ -221,7 +237,8 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     if opt is None:  # stage 0 with fp16/bf16: the whole master, when there is one
         found = unpartitioned_master(param)
         return None if found is None else found[1].detach().clone()
-    return _assemble(opt, [param], _master, [torch.float32])[0]
+    with _resident(opt, [param], write_back=False):
+        return _assemble(opt, [param], _master, [torch.float32])[0]
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: Any) -> torch.Tensor | None:
@@ -233,8 +250,9 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: An
         return None if found is None else _whole_state(found, optim_state_key,
                                                        "safe_get_full_optimizer_state").detach().clone()
     group, _ = _locate(opt, param)
-    state = _state_partition(opt, group, optim_state_key, "safe_get_full_optimizer_state")
-    return _assemble(opt, [param], lambda g: state, [state.dtype])[0]
+    with _resident(opt, [param], write_back=False):
+        state = _state_partition(opt, group, optim_state_key, "safe_get_full_optimizer_state")
+        return _assemble(opt, [param], lambda g: state, [state.dtype])[0]
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -251,7 +269,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         return
     opt = _require_owner(param, call)
     flat = _flat_value(param, value, call)
-    with torch.no_grad():
+    with torch.no_grad(), _resident(opt, [param], write_back=True):
         _scatter(opt, param, _master, flat)
         if is_zero_param(param):  # the 16-bit partition, and the whole value while it is gathered
             _lp_from_master(opt, param)
@@ -272,9 +290,10 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     opt = _require_owner(param, call)
     flat = _flat_value(param, value, call)
     group, _ = _locate(opt, param)
-    _init_adam_state(opt, group)
-    state = _state_partition(opt, group, optim_state_key, call)
-    _scatter(opt, param, lambda g: state, flat)
+    with _resident(opt, [param], write_back=True):
+        _init_adam_state(opt, group)
+        state = _state_partition(opt, group, optim_state_key, call)
+        _scatter(opt, param, lambda g: state, flat)
 
 
 # ---- gradients ---------------------------------------------------------------------------------------------------
@@ -286,7 +305,8 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     if opt is None:
         return param.grad
     if opt.reducer.reduced:
-        return _assemble(opt, [param], _grad_partition, [_accum_dtype(opt, param)])[0]
+        with _resident(opt, [param], write_back=False, grads=True):
+            return _assemble(opt, [param], _grad_partition, [_accum_dtype(opt, param)])[0]
     grad = opt.get_grad(param)
     if grad is None:
         return None
@@ -295,7 +315,8 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 def _write_grad(opt: Any, param: torch.nn.Parameter, flat: torch.Tensor) -> None:
     if opt.reducer.reduced:
-        _scatter(opt, param, _grad_partition, flat)
+        with _resident(opt, [param], write_back=True, grads=True):
+            _scatter(opt, param, _grad_partition, flat)
     else:  # the local gradient that the boundary reduction (or a one-rank step) will use: a copy, since the
         # next backward accumulates into it in place (the caller's tensor may also be given to other params)
         opt.set_grad(param, flat.to(param.device, copy=True).view(param.shape))
@@ -345,7 +366,8 @@ def safe_update_full_grad_vectorized(param_list: Sequence[torch.nn.Parameter], u
     for opt, params in owners.values():
         if opt.reducer.reduced:
             dtypes = [_accum_dtype(opt, p) for p in params]
-            grads = _assemble(opt, params, _grad_partition, dtypes)
+            with _resident(opt, params, write_back=False, grads=True):
+                grads = _assemble(opt, params, _grad_partition, dtypes)
         else:
             grads = [safe_get_full_grad(p) for p in params]
         for p, grad in zip(params, grads, strict=True):
@@ -375,8 +397,14 @@ def _zero3_owner(param: torch.nn.Parameter, call: str) -> Any:
 
 
 def _lp_from_master(opt: Any, param: torch.nn.Parameter) -> None:
-    """This rank's 16-bit partition of ``param`` from its fp32 master slice."""
-    param.ds_tensor.copy_(opt.group_of(param).master_slice(param))
+    """This rank's 16-bit partition of ``param`` from its fp32 master slice (written through to its swap file
+    when the partition lives on NVMe: the file is the value)."""
+    value = opt.group_of(param).master_slice(param)
+    swapper = getattr(param, "ds_swapper", None)
+    if swapper is not None:
+        swapper.write(param, value)
+    else:
+        param.ds_tensor.copy_(value)
 
 
 def _local_value(param: torch.nn.Parameter, value: Any, call: str) -> torch.Tensor:
@@ -398,20 +426,23 @@ def _local_state(opt: Any, param: torch.nn.Parameter, key: Any, call: str) -> to
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's fp32 partition of ``param`` (``ds_tensor``'s size)."""
     opt = _zero3_owner(param, "safe_get_local_fp32_param")
-    return opt.group_of(param).master_slice(param).clone()
+    with _resident(opt, [param], write_back=False):
+        return opt.group_of(param).master_slice(param).clone()
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's gradient partition of ``param`` (after backward, before step), in the
     accumulation dtype."""
     opt = _zero3_owner(param, "safe_get_local_grad")
-    return opt.group_of(param).grad_slice(param).clone()
+    with _resident(opt, [param], write_back=False, grads=True):
+        return opt.group_of(param).grad_slice(param).clone()
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: Any) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
     opt = _zero3_owner(param, "safe_get_local_optimizer_state")
-    return _local_state(opt, param, optim_state_key, "safe_get_local_optimizer_state").clone()
+    with _resident(opt, [param], write_back=False):
+        return _local_state(opt, param, optim_state_key, "safe_get_local_optimizer_state").clone()
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -419,7 +450,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     at the moment follows at the next step)."""
     call = "safe_set_local_fp32_param"
     opt = _zero3_owner(param, call)
-    with torch.no_grad():
+    with torch.no_grad(), _resident(opt, [param], write_back=True):
         opt.group_of(param).master_slice(param).copy_(_local_value(param, value, call))
         _lp_from_master(opt, param)
 
@@ -428,7 +459,7 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """ZeRO-3 only: set this rank's gradient partition of ``param``."""
     call = "safe_set_local_grad"
     opt = _zero3_owner(param, call)
-    with torch.no_grad():
+    with torch.no_grad(), _resident(opt, [param], write_back=True, grads=True):
         opt.group_of(param).grad_slice(param).copy_(_local_value(param, value, call))
 
 
@@ -436,6 +467,6 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     """ZeRO-3 only: set this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
     call = "safe_set_local_optimizer_state"
     opt = _zero3_owner(param, call)
-    _init_adam_state(opt, opt.group_of(param))
-    with torch.no_grad():
+    with torch.no_grad(), _resident(opt, [param], write_back=True):
+        _init_adam_state(opt, opt.group_of(param))
         _local_state(opt, param, optim_state_key, call).copy_(_local_value(param, value, call))

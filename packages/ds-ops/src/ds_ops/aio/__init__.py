@@ -3,7 +3,9 @@
 ``AsyncIOHandle`` (also ``aio_handle``, DeepSpeed's name) reads and writes whole tensors, splitting each
 request into ``block_size`` pieces kept in flight up to ``queue_depth`` per I/O thread, with O_DIRECT when
 buffer, offset and block size are aligned (``new_cpu_locked_tensor`` gives such buffers) and buffered I/O
-otherwise. ``ds_ops.aio.swap`` moves lists of tensors to a directory and back.
+otherwise. ``ds_ops.aio.swap`` moves lists of tensors to a directory and back. Buffers for it:
+``new_cpu_locked_tensor``/``free_cpu_locked_tensor`` (page-aligned and locked, as the handle's methods of those
+names), ``page_aligned_empty`` (page-aligned only).
 
 Why cffi's ABI mode over ``libaio.so.1`` rather than API mode: the calls are few and coarse (one
 ``io_submit``/``io_getevents`` per batch of >=128 KiB pieces, so libffi's per-call cost is noise next to the
@@ -19,6 +21,9 @@ from ds_ops.aio._builder import AsyncIOBuilder
 from ds_ops.aio._errors import AioError
 from ds_ops.aio._handle import BACKEND_ENV, AsyncIOHandle
 from ds_ops.aio._libaio import unavailable_reason as libaio_unavailable_reason
+from ds_ops.aio._memory import free_locked as free_cpu_locked_tensor
+from ds_ops.aio._memory import is_locked_tensor, page_aligned_empty
+from ds_ops.aio._memory import new_locked as new_cpu_locked_tensor
 
 aio_handle = AsyncIOHandle
 
@@ -28,6 +33,10 @@ __all__ = [
     "AsyncIOBuilder",
     "AsyncIOHandle",
     "aio_handle",
+    "free_cpu_locked_tensor",
+    "is_locked_tensor",
     "libaio_unavailable_reason",
+    "new_cpu_locked_tensor",
+    "page_aligned_empty",
     "swap",
 ]

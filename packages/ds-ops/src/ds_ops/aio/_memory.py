@@ -35,6 +35,16 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> tuple[to
     return tensor, backing
 
 
+def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor of ``numel`` x ``dtype`` starting on a page boundary, so O_DIRECT moves
+    it without a staging copy; plain (not locked) memory, released with the tensor like any other."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"page_aligned_empty: numel must be a non-negative int, got {numel!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"page_aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
+    return aligned_empty(numel, dtype)[0]  # the view keeps the backing storage alive
+
+
 def _resolve_dtype(dtype: torch.dtype | torch.Tensor) -> torch.dtype:
     if isinstance(dtype, torch.Tensor):  # DeepSpeed passes an example tensor
         return dtype.dtype

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_ops.aio._memory import aligned_empty, free_locked, new_locked
+from ds_ops.aio import free_cpu_locked_tensor, new_cpu_locked_tensor, page_aligned_empty
 
 
 class BufferPool:
@@ -21,7 +21,7 @@ class BufferPool:
         if count < 1:
             raise ValueError(f"{key}={count}: the swap buffer pool needs at least 1 buffer")
         self.numel, self.dtype, self.key, self.pinned = numel, dtype, key, pin_memory
-        self._all = [new_locked(numel, dtype) if pin_memory else aligned_empty(numel, dtype)[0]
+        self._all = [new_cpu_locked_tensor(numel, dtype) if pin_memory else page_aligned_empty(numel, dtype)
                      for _ in range(count)]
         self._free = list(range(count))
         self._index = {b.data_ptr(): i for i, b in enumerate(self._all)}
@@ -55,6 +55,10 @@ class BufferPool:
             raise ValueError("BufferPool.put: this tensor is not a buffer of the pool that is out")
         self._free.append(i)
 
+    def reclaim(self) -> None:
+        """Every buffer is free again: after a failure, once no I/O uses any of them (the caller waited)."""
+        self._free = list(range(len(self._all)))
+
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.data_ptr() in self._index
 
@@ -62,5 +66,5 @@ class BufferPool:
         """Release the memory (pinned/locked buffers are unlocked)."""
         if self.pinned:
             for b in self._all:
-                free_locked(b)
+                free_cpu_locked_tensor(b)
         self._all, self._free, self._index = [], [], {}

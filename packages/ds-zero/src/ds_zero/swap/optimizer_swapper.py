@@ -155,7 +155,27 @@ class OptimizerSwapper:
     # ---- the streamed step ----------------------------------------------------------------------------------
     def run(self, ids: list[int], step: StepFn) -> None:
         """Step each sub-group of ``ids`` in order: ``step(i, tensors)`` gets its master and states (views of
-        pool buffers) and returns the tensors to keep (new states included); they are written back."""
+        pool buffers) and returns the tensors to keep (new states included); they are written back.
+
+        If anything fails midway, every read and write in flight is waited for and all buffers return to the
+        pool before the error propagates: a later run must not read a file whose write is still in flight, nor
+        find its buffers gone."""
+        try:
+            self._run(ids, step)
+        except BaseException:
+            self._drain()
+            raise
+
+    def _drain(self) -> None:
+        for handle in (self.reader, self.writer):
+            try:
+                handle.wait()
+            except AioError:
+                pass  # the error being raised already says what broke
+        if self._pool is not None:
+            self._pool.reclaim()
+
+    def _run(self, ids: list[int], step: StepFn) -> None:
         s, prefetched = self.settings, None
         writing: _Writing | None = None  # buffers (and tensors) of the sub-group being written back
         for k, i in enumerate(ids):

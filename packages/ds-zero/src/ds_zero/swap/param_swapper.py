@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from ds_ops.aio import AioError
-from ds_ops.aio._memory import aligned_empty
+from ds_ops.aio import AioError, page_aligned_empty
 from ds_zero.swap._folder import annotate, cleanup_on_exit, make_swap_folder, new_handle
 from ds_zero.swap.buffer_pool import BufferPool
 
@@ -121,7 +120,7 @@ class ParamSwapper:
                 pool = self._pool(p.ds_tensor.dtype)
                 buffer = pool.get() if p.ds_tensor.numel() <= pool.numel else None
                 if buffer is None:  # more at once than the pool holds: a temporary buffer
-                    buffer = aligned_empty(p.ds_tensor.numel(), p.ds_tensor.dtype)[0]
+                    buffer = page_aligned_empty(p.ds_tensor.numel(), p.ds_tensor.dtype)
                 self._start_read(p, buffer)
         if self.reading:
             self._wait_reads()
@@ -142,6 +141,11 @@ class ParamSwapper:
         try:
             self.reader.wait()
         except AioError as exc:
+            # none of the buffers read in this batch may be installed later as if it held the partition: they go
+            # back to the pool and the partitions stay on NVMe only (a retry reads them again)
+            failed, self.reading = list(self.reading.values()), {}
+            for param, buffer in failed:
+                self._give_back(param, buffer)
             raise annotate(exc, "swap in parameter partitions") from None
         self.resident.update(self.reading)
         self.reading.clear()
@@ -194,8 +198,12 @@ class ParamSwapper:
     # ---- writes ---------------------------------------------------------------------------------------------
     def write(self, param: Any, value: torch.Tensor, wait: bool = True) -> None:
         """``value`` (the partition's elements, any dtype) becomes the partition: written to the file (and to
-        the resident copy). ``wait=False`` leaves the write in flight until :meth:`flush`."""
+        the resident copy). ``wait=False`` leaves the write in flight until :meth:`flush`: ``value`` itself may be
+        the write's source (when it is already a contiguous CPU tensor of the partition's dtype), so it must not
+        change before then."""
         value = value.detach().reshape(-1).to("cpu", param.ds_tensor.dtype).contiguous()
+        if param.ds_id in self.reading:  # a read started before this write would install the old value
+            self._wait_reads()
         if param.ds_id in self.resident:
             param.ds_swap_view.copy_(value)
         self._write(param, value, wait)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,16 +283,21 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         return groups
 
     def _plan_swap(self, chunks: list[tuple[int, list[torch.nn.Parameter]]]) -> None:
-        """ZeRO-Infinity: the first ``ratio`` of the sub-groups keep master and states on NVMe."""
+        """ZeRO-Infinity: the last ``ratio`` of the sub-groups keep master and states on NVMe, counted as
+        DeepSpeed does (sub-group ``i`` of ``n`` is offloaded when ``i >= int((1 - ratio) * n)``: any ratio above
+        0 offloads at least one)."""
         swap = self.settings.optimizer_swap
         if swap is None:
             return
         from ds_zero.swap import OptimizerSwapper
         from ds_zero.swap.from_config import global_rank
 
-        count = math.floor(float(swap.ratio) * len(chunks) + 0.5)
-        self.swapped = list(range(count))
-        if not count:
+        ratio = float(swap.ratio)
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"zero_optimization.offload_optimizer.ratio={ratio}: accepted is a fraction in [0, 1]")
+        first = int((1.0 - ratio) * len(chunks))
+        self.swapped = list(range(first, len(chunks)))
+        if not self.swapped:
             return
         largest = max((sum(p.ds_tensor.numel() for p in chunks[i][1]) for i in self.swapped), default=1)
         self.swapper = OptimizerSwapper(swap, global_rank(), largest)
@@ -428,21 +433,55 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         return keep
 
     @contextlib.contextmanager
-    def materialized(self, write_back: bool) -> Iterator[None]:
-        """Every swapped sub-group's master and states in memory for the duration (a checkpoint save or load);
-        ``write_back``: what they hold afterwards goes back to NVMe."""
+    def materialized(self, write_back: bool, ids: Iterable[int] | None = None) -> Iterator[None]:
+        """The master and states of the swapped sub-groups ``ids`` (default: all) in memory for the duration (a
+        checkpoint save or load, a debug read or write); ``write_back``: what they hold afterwards goes back to
+        NVMe. Whatever happens inside, every sub-group attached is detached again (its memory released)."""
         if self.swapper is None:
             yield
             return
-        for i in self.swapped:
-            self._attach(self.groups[i], self.swapper.read_new(i))
+        attached: list[int] = []
         try:
+            for i in self.swapped if ids is None else ids:
+                self._attach(self.groups[i], self.swapper.read_new(i))
+                attached.append(i)
             yield
         finally:
-            for i in self.swapped:
+            for i in attached:
                 keep = self._detach(self.groups[i])
                 if write_back:
                     self.swapper.write_now(i, keep)
+
+    @contextlib.contextmanager
+    def grads_materialized(self, ids: Iterable[int], write_back: bool) -> Iterator[None]:
+        """The gradient partitions of the swapped sub-groups ``ids`` in memory (as their ``grad``) for the
+        duration: a debug read or write of gradients. ``write_back``: they go back to their files, and every
+        parameter of the sub-group then counts as having a gradient (zeros where it had none: the same step)."""
+        loaded: list[int] = []
+        try:
+            for i in ids:
+                g = self.groups[i]
+                grad = self.swapper.read_grad(i, 0, g.numel)
+                for k, (p, offset) in enumerate(zip(g.params, g.offsets, strict=True)):
+                    if k not in g.grad_written:  # what the file holds there is an older window's gradient
+                        grad.narrow(0, offset, p.ds_tensor.numel()).zero_()
+                g.grad = grad
+                loaded.append(i)
+            yield
+        finally:
+            for i in loaded:
+                g = self.groups[i]
+                grad, g.grad = g.grad, torch.zeros(0, dtype=g.grad_dtype, device=g.grad_device)
+                if write_back:
+                    self.swapper.write_grad(i, 0, grad.to(torch.float32))
+                    for k, (p, offset) in enumerate(zip(g.params, g.offsets, strict=True)):
+                        part = grad.narrow(0, offset, p.ds_tensor.numel()).to(torch.float32)
+                        g.grad_written[k] = float(torch.linalg.vector_norm(part, 2.0)) ** 2
+
+    def swapped_sub_groups(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
+        """The sub-groups on NVMe that hold any of ``params`` (what :meth:`materialized` needs for them)."""
+        swapped = set(self.swapped)
+        return sorted({self.home[p][0] for p in params if p in self.home and self.home[p][0] in swapped})
 
     def close_swap(self) -> None:
         """Delete this optimizer's swap files and buffers (engine destroy; also done at exit)."""
