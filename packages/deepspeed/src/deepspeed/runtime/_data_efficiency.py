@@ -12,11 +12,17 @@ loader: :func:`dataloader_config` is what ``deepspeed_io`` hands ``DeepSpeedData
 Dynamic batching (``data_efficiency.data_sampling.dynamic_batching``) also lives in the training loader:
 :func:`dynamic_batching_io` gives ``deepspeed_io`` the token-budget micro batches and replaces the engine's LR
 schedule by a ``VariableBatchSizeLR`` wrapping it (saved in checkpoints as the ``lr_scheduler``).
+
+:class:`DataMethods` is the engine's side of all this (a mixin of ``DeepSpeedEngine``): ``deepspeed_io`` and the
+curriculum / random-LTD accessors.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 class DataEfficiency:
@@ -119,3 +125,57 @@ def set_custom_schedule(engine: Any, schedule: Any) -> None:
         raise RuntimeError("set_custom_curriculum_learning_schedule(fn): the legacy curriculum_learning section is "
                            "not enabled (for data_efficiency curriculum metrics pass {metric name: fn})")
     engine.data_efficiency.curriculum.set_custom_get_difficulty(schedule)
+
+
+class DataMethods:
+    """``DeepSpeedEngine``'s data methods: the training loader and the data-efficiency accessors."""
+
+    _config: Any
+    data_efficiency: DataEfficiency | None
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.data_efficiency is not None and self.data_efficiency.curriculum is not None
+
+    def curriculum_learning_enabled(self) -> bool:
+        """Whether ``data_efficiency.data_sampling.curriculum_learning`` (curriculum data sampling) is on."""
+        return curriculum_sampling_enabled(self._config)
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
+        """``{metric: fn(step) -> difficulty}`` for curriculum metrics with ``schedule_type: custom`` (or, for the
+        legacy ``curriculum_learning`` section, one ``fn``)."""
+        set_custom_schedule(self, schedule_func_dict)
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """The random-LTD ``RandomLTDScheduler`` (saved in checkpoints), or None."""
+        return self.data_efficiency.random_ltd if self.data_efficiency is not None else None
+
+    def random_ltd_enabled(self) -> bool:
+        return self.data_efficiency is not None and self.data_efficiency.random_ltd is not None
+
+    def random_ltd_initialize(self) -> None:
+        """Give the model's ``RandomLayerTokenDrop`` layers the schedule (``convert_to_random_ltd`` calls it)."""
+        from deepspeed.runtime.data_pipeline.data_routing.helper import random_ltd_initialize
+
+        if not self.random_ltd_enabled():
+            raise RuntimeError("random_ltd_initialize: data_efficiency.data_routing.random_ltd is not enabled")
+        random_ltd_initialize(self.module, self.data_efficiency.random_ltd_config, self.data_efficiency.random_ltd)
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler: Any = None, collate_fn: Any = None, num_local_io_workers: int | None = None) -> Any:
+        """A ``DeepSpeedDataLoader`` over ``dataset``: this rank's shard, micro batches of the configured size."""
+        from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            raise TypeError(f"deepspeed_io: training data must be a torch.utils.data.Dataset, got "
+                            f"{type(dataset).__name__}")
+        rank = dist.get_rank(self.dp_group) if self.dp_world_size > 1 else 0
+        dynamic = dynamic_batching_io(self, dataset, route, data_sampler, collate_fn)
+        if dynamic is not None:  # data_efficiency.data_sampling.dynamic_batching: token-budget micro batches
+            return DeepSpeedDataLoader(local_rank=self.local_rank, tput_timer=None, data_parallel_rank=rank,
+                                       data_parallel_world_size=self.dp_world_size, **dynamic)
+        return DeepSpeedDataLoader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), pin_memory,
+                                   self.local_rank, None, collate_fn=collate_fn,
+                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+                                   data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank,
+                                   deepspeed_dataloader_config=dataloader_config(self, route))

@@ -2,9 +2,12 @@
 
 The engine is thin: the optimizer wrapper (``optimizer_wrapper.OptimizerWrapper``) owns precision, loss
 scaling, clipping and the update; the gradient reducer averages gradients over the data-parallel group,
-overlapped with backward through per-parameter gradient hooks; config accessors live in ``_accessors``;
-checkpoints in ``deepspeed.runtime.checkpointing``. The hooks also serve a direct ``loss.backward()`` (what
-``engine.backward`` does, minus the division by the gradient accumulation steps).
+overlapped with backward through per-parameter gradient hooks. The hooks also serve a direct ``loss.backward()``
+(what ``engine.backward`` does, minus the division by the gradient accumulation steps).
+
+Around the training loop, in their own modules: the constructor's set-up steps (``_engine_setup``), config
+accessors (``_accessors``), the data loader and data-efficiency methods (``_data_efficiency``), ZeRO state
+offloading (``_zero_states``), ZeRO-3 methods (``_zero3_engine``); checkpoints in ``deepspeed.runtime.checkpointing``.
 """
 
 from __future__ import annotations
@@ -14,33 +17,27 @@ import logging
 import math
 import os
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
-from deepspeed.autotuning._probe import attach_probe as attach_autotuning_probe
-from deepspeed.runtime import _data_efficiency, _moe_setup, _setup
+from deepspeed.runtime import _engine_setup, _moe_setup, _setup
 from deepspeed.runtime._accessors import ConfigAccessors
 from deepspeed.runtime._compression_setup import build_compression_scheduler
+from deepspeed.runtime._data_efficiency import DataMethods
 from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
 from deepspeed.runtime._zero3_engine import Zero3EngineMethods
+from deepspeed.runtime._zero_states import ZeroStateMethods
 from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
 from deepspeed.utils import log_dist
-from ds_config import ConfigError, ConfigProblem
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-# model -> the training engines whose gradient hooks are on its parameters (weak: keeps neither alive)
-_TRAINERS_OF: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
-
-class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
+class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, DataMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -55,60 +52,18 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self._config = config
         self.config = config.to_dict()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
-        self._place(mpu, dp_group)
+        _engine_setup.place(self, mpu, dp_group)
         self.module = _setup.prepare_module(model, config, self.device)
         self.compression_scheduler = build_compression_scheduler(self, config)  # compression_training
-        self.has_moe_layers = _moe_setup.has_moe(self.module)
-        if self.has_moe_layers:
-            if config.zero_stage == 3:
-                raise ConfigError(ConfigProblem("zero_optimization.stage", "MoE layers (ds_moe / deepspeed.moe) train "
-                                                "with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
-            _moe_setup.configure(self.module, mpu)
-        self.zero3_scheduler = None  # ZeRO-3: gathers and releases the partitioned parameters around each module
-        if config.zero_stage == 3:
-            from deepspeed.runtime._zero3_setup import partition_model
-
-            # partitioned over the sequence-data group: sequence ranks hold the same weights (DeepSpeed's seq_dp)
-            self.zero3_scheduler = partition_model(self.module, config, self.seq_dp_group, self.device, mpu)
-        elif self.has_moe_layers:
-            _moe_setup.broadcast_module(self.module, self.dp_group)
-        else:
-            _setup.broadcast_module(self.module, self.seq_dp_group)
-        if self.sequence_parallel_size > 1 and self.has_moe_layers:
-            raise ConfigError(ConfigProblem("sequence_parallel_size", "sequence parallelism trains models without "
-                                            "MoE layers in this version; accepted: 1", self.sequence_parallel_size))
+        _engine_setup.distribute_module(self, config, mpu)  # MoE groups; ZeRO-3 partitions or a broadcast
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
         self._released: str | None = None  # why this engine may no longer train (see _release)
         self._configure_optimizer(optimizer, model_parameters, lr_scheduler)
-        if self.has_moe_layers:
-            from deepspeed.runtime._moe_checkpoint import MoECheckpointShards
-
-            self.checkpoint_shards = (*self.checkpoint_shards, MoECheckpointShards(self))
-        if self.mp_world_size > 1:  # AutoTP-sharded layers: full weights in the checkpoints
-            from deepspeed.runtime._autotp_setup import checkpoint_shards
-
-            self.checkpoint_shards = checkpoint_shards(self)
+        _engine_setup.add_checkpoint_shards(self)  # MoE experts, AutoTP-sharded layers
         self._configure_training_state()
-        self.data_efficiency = _data_efficiency.build(config, self.train_batch_size(),
-                                                      self.train_micro_batch_size_per_gpu())
-        self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
-                                    if training_data is not None else None)
-        self.monitor = _setup.build_monitor(config)
-        self.flops_profiler = _setup.build_flops_profiler(self.module, config, self)
-        self.autotuning_probe = attach_autotuning_probe(self, config.autotuning)  # writes metrics, then exits
-        if config.compile.deepcompile:  # as in DeepSpeed, DeepCompile runs at engine.compile(); checked now
-            from deepspeed.compile._engine import check_deepcompile
-
-            check_deepcompile(config.compile)
-        elif config.compile.enabled:
-            self.compile(backend=config.compile.backend)
-        from deepspeed import git_version_info
-
-        log_dist(f"DeepSpeed info: version={__version__}, git-hash={git_version_info.git_hash}, "
-                 f"git-branch={git_version_info.git_branch}", ranks=[0])
-        if config.dump_state:
-            log_dist(f"DeepSpeedEngine configuration: {self.config}", ranks=[0])
+        _engine_setup.attach_features(self, config, training_data, collate_fn)
+        _engine_setup.log_startup(self, config)
 
     def __getattr__(self, name: str) -> Any:
         """Unknown attributes come from the wrapped module (``engine.generate(...)``, ``engine.config_class``)."""
@@ -121,30 +76,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
             return getattr(module, name)
 
     # ---- construction --------------------------------------------------------------------------------
-    def _place(self, mpu: Any, dp_group: Any) -> None:
-        """Ranks, groups and device. ``mpu`` (a model-parallel unit) supplies the data-parallel group."""
-        if mpu is not None and dp_group is None:
-            dp_group = mpu.get_data_parallel_group()
-        self.mpu = mpu
-        self.mp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
-        self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
-        self.dp_group = dp_group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.dp_world_size = dist.get_world_size(dp_group) if distributed else 1
-        # sequence parallelism (an mpu with a sequence axis, DeepSpeed-Ulysses): gradients are summed over the
-        # sequence ranks and averaged over data parallelism, in one reduction over the sequence-data group
-        sp = int(mpu.get_sequence_parallel_world_size()) if hasattr(mpu, "get_sequence_parallel_world_size") else 1
-        self.sequence_parallel_size = sp
-        self.seq_dp_group = mpu.get_sequence_data_parallel_group() if sp > 1 else dp_group
-        self.seq_dp_world_size = dist.get_world_size(self.seq_dp_group) if distributed and sp > 1 \
-            else self.dp_world_size
-        self.global_rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        accelerator = get_accelerator()
-        accelerator.set_device(self.local_rank)  # one device per local rank (a no-op on the CPU)
-        self.device = torch.device(accelerator.device_name(self.local_rank))
-
     def _configure_optimizer(self, optimizer: Any, model_parameters: Any, lr_scheduler: Any) -> None:
         from deepspeed.runtime._optimizer_factory import build_basic_optimizer, check_zero_optimizer
 
@@ -160,12 +91,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith(("cpu", "nvme"))
         self.basic_optimizer = build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
         check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
-        if self.sequence_parallel_size > 1 and getattr(self.basic_optimizer, "communicates_gradients", False):
-            # they average over the data-parallel group only: the sequence ranks' weights would drift apart
-            raise ConfigError(ConfigProblem("sequence_parallel_size", "1-bit optimizers (OneBitAdam, OneBitLamb, "
-                                            "ZeroOneAdam) exchange gradients over the data-parallel group themselves "
-                                            "and cannot sum them over the sequence ranks; accepted with a 1-bit "
-                                            "optimizer: 1", self.sequence_parallel_size))
+        _engine_setup.check_sequence_parallel_optimizer(self)
         trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
         inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
                                     self.dp_world_size, scheduler=self.zero3_scheduler, mpu=self.mpu,
@@ -173,27 +99,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         self.optimizer, self.reducer = _setup.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
-        self._take_over_module(trained)
+        _engine_setup.take_over_module(self, trained)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-
-    def _take_over_module(self, trained: set[int]) -> None:
-        """A model wrapped again (a second Trainer on the same model object) still carries the first engine's
-        gradient hooks, which would go on reducing every gradient into that engine's buffers: release the engines
-        that train any of the same parameters (engines over disjoint parameters, one per optimizer, both train)."""
-        self._trained_ids = trained
-        kept = []
-        for ref in _TRAINERS_OF.get(self.module, []):
-            previous = ref()
-            if previous is None or not previous._hook_handles:
-                continue
-            if previous._trained_ids & trained:
-                log_dist("deepspeed.initialize: this model was already wrapped by another DeepSpeedEngine; that "
-                         "engine is released (its gradient hooks removed) and can no longer train", ranks=[0],
-                         level=logging.WARNING)
-                previous._release("its model was wrapped by a newer DeepSpeedEngine")
-            else:
-                kept.append(ref)
-        _TRAINERS_OF[self.module] = [*kept, weakref.ref(self)]
 
     def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
         """No client optimizer and no ``optimizer`` section: an evaluation/inference engine (as in DeepSpeed,
@@ -214,16 +121,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         if self._released is not None:
             raise RuntimeError(f"engine.{call}: this engine can no longer train: {self._released}")
         self._require_states_in_place(call)
-
-    def _require_states_in_place(self, call: str) -> None:
-        if self.zero_optimization_stage() == 0:
-            return
-        from ds_zero.offload_states import offloaded
-
-        moved = offloaded(self.optimizer)
-        if moved:
-            raise RuntimeError(f"engine.{call}: the ZeRO states {', '.join(s.value for s in moved)} were moved by "
-                               "offload_states(); call engine.reload_states() first")
 
     def _configure_training_state(self) -> None:
         self._sync_enabled = True
@@ -433,35 +330,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
                 and self.global_steps + 1 == self._config.flops_profiler.profile_step:
             prof.start_profile()
 
-    # ---- data efficiency (curriculum learning, random-LTD) ----------------------------------------------------
-    def curriculum_enabled_legacy(self) -> bool:
-        return self.data_efficiency is not None and self.data_efficiency.curriculum is not None
-
-    def curriculum_learning_enabled(self) -> bool:
-        """Whether ``data_efficiency.data_sampling.curriculum_learning`` (curriculum data sampling) is on."""
-        return _data_efficiency.curriculum_sampling_enabled(self._config)
-
-    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
-        """``{metric: fn(step) -> difficulty}`` for curriculum metrics with ``schedule_type: custom`` (or, for the
-        legacy ``curriculum_learning`` section, one ``fn``)."""
-        _data_efficiency.set_custom_schedule(self, schedule_func_dict)
-
-    @property
-    def random_ltd_scheduler(self) -> Any:
-        """The random-LTD ``RandomLTDScheduler`` (saved in checkpoints), or None."""
-        return self.data_efficiency.random_ltd if self.data_efficiency is not None else None
-
-    def random_ltd_enabled(self) -> bool:
-        return self.data_efficiency is not None and self.data_efficiency.random_ltd is not None
-
-    def random_ltd_initialize(self) -> None:
-        """Give the model's ``RandomLayerTokenDrop`` layers the schedule (``convert_to_random_ltd`` calls it)."""
-        from deepspeed.runtime.data_pipeline.data_routing.helper import random_ltd_initialize
-
-        if not self.random_ltd_enabled():
-            raise RuntimeError("random_ltd_initialize: data_efficiency.data_routing.random_ltd is not enabled")
-        random_ltd_initialize(self.module, self.data_efficiency.random_ltd_config, self.data_efficiency.random_ltd)
-
     def was_step_applied(self) -> bool:
         """True when the last ``step()`` updated the weights (a boundary step without overflow)."""
         return getattr(self, "_step_applied", False)
@@ -486,26 +354,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
 
     def get_loss_scale(self) -> float:
         return self.optimizer.loss_scale if self.optimizer is not None else 1.0
-
-    # ---- data -------------------------------------------------------------------------------------------
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
-                     data_sampler: Any = None, collate_fn: Any = None, num_local_io_workers: int | None = None) -> Any:
-        """A ``DeepSpeedDataLoader`` over ``dataset``: this rank's shard, micro batches of the configured size."""
-        from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-
-        if not isinstance(dataset, torch.utils.data.Dataset):
-            raise TypeError(f"deepspeed_io: training data must be a torch.utils.data.Dataset, got "
-                            f"{type(dataset).__name__}")
-        rank = dist.get_rank(self.dp_group) if self.dp_world_size > 1 else 0
-        dynamic = _data_efficiency.dynamic_batching_io(self, dataset, route, data_sampler, collate_fn)
-        if dynamic is not None:  # data_efficiency.data_sampling.dynamic_batching: token-budget micro batches
-            return DeepSpeedDataLoader(local_rank=self.local_rank, tput_timer=None, data_parallel_rank=rank,
-                                       data_parallel_world_size=self.dp_world_size, **dynamic)
-        return DeepSpeedDataLoader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), pin_memory,
-                                   self.local_rank, None, collate_fn=collate_fn,
-                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
-                                   data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank,
-                                   deepspeed_dataloader_config=_data_efficiency.dataloader_config(self, route))
 
     # ---- checkpoints (deepspeed.runtime.checkpointing) ------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
@@ -552,30 +400,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, torch.nn.Module):
         return checkpointing.save_16bit_model(self, save_dir, save_filename,
                                               exclude_frozen_parameters=exclude_frozen_parameters,
                                               state_dict=state_dict)
-
-    # ---- ZeRO state placement (ds_zero.offload_states) ---------------------------------------------------
-    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
-        """Move the ZeRO optimizer's states (``include``: ``OffloadStateTypeEnum`` members, default all) to
-        ``device`` (CPU) until ``reload_states()``."""
-        from ds_zero.offload_states import offload_states
-
-        self._require_zero("offload_states")
-        offload_states(self.optimizer, include=include, device=device, pin_memory=pin_memory,
-                       non_blocking=non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Move the states moved by ``offload_states`` back to their devices."""
-        from ds_zero.offload_states import reload_states
-
-        self._require_zero("reload_states")
-        reload_states(self.optimizer, non_blocking=non_blocking)
-
-    def _require_zero(self, call: str) -> None:
-        if self.zero_optimization_stage() == 0 or self.optimizer is None:
-            raise RuntimeError(f"engine.{call}() needs a ZeRO optimizer (zero_optimization.stage 1-3); this engine "
-                               f"runs stage {self.zero_optimization_stage()}"
-                               f"{'' if self.optimizer is not None else ' without an optimizer'}")
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] = {},  # noqa: B006 (read only)
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
