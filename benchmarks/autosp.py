@@ -31,6 +31,7 @@ if TESTS_DIR not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _common import int_options  # noqa: E402
 from _harness import run_distributed, shutdown_pool  # noqa: E402
 
 
@@ -106,14 +107,8 @@ def _run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), hidden=256, heads=8,
+                         layers=2, vocab=1000, seq=1024, batch=2, steps=6)
     parser.add_argument("--quick", action="store_true", help="hidden 64, seq 256, 3 steps")
     args = parser.parse_args()
     if args.quick:

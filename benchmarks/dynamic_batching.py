@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import torch
+from _common import int_options
 
 from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
 
@@ -33,11 +34,8 @@ def _row(name: str, lengths: np.ndarray, max_tokens: int, seconds: float, batche
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=100_000)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), samples=100_000, min_len=16,
+                         max_len=512, max_tokens=4096)
     parser.add_argument("--effective-batch", type=int, default=8, help="micro batches per optimizer step")
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

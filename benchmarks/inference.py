@@ -33,7 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import cpu_model, paired, spawn_ranks
+from _common import cpu_model, int_options, paired, spawn_ranks
 
 from ds_inference import init_inference
 from ds_inference.quantization import model_bytes
@@ -116,15 +116,8 @@ def tp_rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=9)
+    parser = int_options(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), hidden=256, layers=4,
+                         heads=8, vocab=4096, batch=2, prompt=32, new=32, reps=9)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens")
     args = parser.parse_args()
     if args.quick:

@@ -22,45 +22,24 @@ import datetime
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _common import int_options, mlp_engine, timed_ms  # noqa: E402
 
 
 def _rank_run(optimizer: dict, width: int, layers: int, micro: int, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
 
-    import deepspeed
     from deepspeed import comm
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    world = dist.get_world_size()
     config = {"train_batch_size": micro * world, "train_micro_batch_size_per_gpu": micro, "optimizer": optimizer}
-    engine, _, _, _ = deepspeed.initialize(model=torch.nn.Sequential(*mods), config=config)
-    gen = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(micro, width, generator=gen), torch.randn(micro, width, generator=gen)
-
-    def step() -> float:
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
+    engine, step = mlp_engine(config, width, layers, micro)
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed) * 1e3)
+    times = timed_ms(step, steps)
     comm.configure(enabled=True, prof_all=True)
     comm._state.comms_logger.reset()
     for _ in range(4):
@@ -74,12 +53,8 @@ def _rank_run(optimizer: dict, width: int, layers: int, micro: int, warmup: int,
 def main() -> None:
     from _harness import run_distributed
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
+    ap = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), width=1024, layers=4, micro=8,
+                     warmup=5, steps=10)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
     variants = {  # name -> (config, baseline name)

@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from _common import int_options
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
@@ -77,12 +78,8 @@ def _iteration(layer: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, coun
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=7)
+    parser = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), hidden=768, heads=12,
+                         batch=8, seq=128, reps=7)
     parser.add_argument("--quick", action="store_true", help="hidden 256, seq 64, 3 repetitions")
     args = parser.parse_args()
     if args.quick:

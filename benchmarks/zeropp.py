@@ -20,11 +20,11 @@ import datetime
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _common import int_options, mlp_engine, timed_ms  # noqa: E402
 
 VARIANTS = {
     "plain": {},
@@ -40,39 +40,18 @@ VARIANTS = {
 def _rank_run(zero: dict, width: int, layers: int, micro: int, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
 
-    import deepspeed
     from ds_zero.zeropp import traffic
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # two ranks per "node": qgZ's and hpZ's groups
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    world = dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_max_reuse_distance": 0, **zero}}
-    engine, _, _, _ = deepspeed.initialize(model=torch.nn.Sequential(*mods), config=config)
-    gen = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(micro, width, generator=gen), torch.randn(micro, width, generator=gen)
-
-    def step() -> float:
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
+    _, step = mlp_engine(config, width, layers, micro)
     for _ in range(warmup):
         step()
     traffic.reset()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed) * 1e3)
+    times = timed_ms(step, steps)
     sent = {k: v / steps for k, v in traffic.sent_bytes().items()}
     return {"ms": statistics.median(times), "bytes": sent, "loss": step(), "world": world}
 
@@ -80,12 +59,8 @@ def _rank_run(zero: dict, width: int, layers: int, micro: int, warmup: int, step
 def main() -> None:
     from _harness import run_distributed
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), width=512, layers=4, micro=8,
+                     warmup=3, steps=10)
     args = ap.parse_args()
     print(f"# zeropp: {datetime.date.today()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, 4 ranks, "
           f"MLP {args.layers}x{args.width}, micro-batch {args.micro}/rank, median of {args.steps} steps")

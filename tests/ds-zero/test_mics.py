@@ -10,20 +10,14 @@ on the weights."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _harness import run_distributed
+from _sibling import load_sibling
 
-_NAME = "_ds_zero_zeropp_common"
-if _NAME not in sys.modules:
-    _spec = importlib.util.spec_from_file_location(_NAME, Path(__file__).with_name("_zeropp_common.py"))
-    sys.modules[_NAME] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules[_NAME])
-common = sys.modules[_NAME]
+common = load_sibling(__file__, "_zeropp_common.py", "_ds_zero_zeropp_common")
 
 STEPS = 6
 

@@ -11,29 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_distributed
+from _zero3_toy import GLOBAL, TiedNet
+from _zero3_toy import train_step as _step
 
-GLOBAL = 8
 ZERO = {"stage": 3, "stage3_param_persistence_threshold": 20, "reduce_bucket_size": 100}
-
-
-class Net(torch.nn.Module):
-    """A frozen layer, small (persistent) and large (partitioned) parameters, a tied weight."""
-
-    def __init__(self, hidden: int = 12) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(6, hidden)
-        self.frozen = torch.nn.Linear(hidden, hidden)
-        self.frozen.requires_grad_(False)
-        self.mid = torch.nn.Linear(hidden, hidden)
-        self.back = torch.nn.Linear(hidden, hidden, bias=False)
-        self.back.weight = self.mid.weight
-        self.head = torch.nn.Linear(hidden, 3)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        h = torch.tanh(self.mid(torch.tanh(self.frozen(h))))
-        return self.head(torch.tanh(self.back(h))) * self.scale
 
 
 def _config(world: int, zero: dict | None = None) -> dict:
@@ -41,19 +22,6 @@ def _config(world: int, zero: dict | None = None) -> dict:
             "gradient_clipping": 0.5, "steps_per_print": 10**6, "zero_optimization": zero or ZERO,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
-
-
-def _step(engine, step: int) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(GLOBAL, 6, generator=gen), torch.randn(GLOBAL, 3, generator=gen)
-    micro = GLOBAL // world
-    loss = torch.nn.functional.mse_loss(engine(x[rank * micro:(rank + 1) * micro]), y[rank * micro:(rank + 1) * micro])
-    engine.backward(loss)
-    engine.step()
-    t = loss.detach().clone()
-    dist.all_reduce(t)
-    return float(t) / world
 
 
 def _whole(engine) -> dict:
@@ -67,7 +35,7 @@ def _engine(seed: int, zero: dict | None = None):
     import deepspeed
 
     torch.manual_seed(seed)
-    return deepspeed.initialize(model=Net(), config=_config(dist.get_world_size(), zero))[0]
+    return deepspeed.initialize(model=TiedNet(scale=0.5), config=_config(dist.get_world_size(), zero))[0]
 
 
 def _save_then_continue(save_dir: str) -> dict:
@@ -162,7 +130,7 @@ def _load_wrong_model(save_dir: str) -> str:
     import deepspeed
 
     torch.manual_seed(0)
-    engine = deepspeed.initialize(model=Net(hidden=10), config=_config(dist.get_world_size()))[0]
+    engine = deepspeed.initialize(model=TiedNet(hidden=10, scale=0.5), config=_config(dist.get_world_size()))[0]
     before = _whole(engine)
     try:
         engine.load_checkpoint(save_dir)

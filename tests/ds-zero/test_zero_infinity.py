@@ -11,29 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_distributed
-
-GLOBAL = 8
-ZERO = {"stage": 3, "stage3_param_persistence_threshold": 20, "reduce_bucket_size": 100, "sub_group_size": 60,
-        "stage3_prefetch_bucket_size": 100}
-
-
-class Net(torch.nn.Module):
-    """A frozen layer, small (persistent) and large (partitioned) parameters, a tied weight."""
-
-    def __init__(self, hidden: int = 12) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(6, hidden)
-        self.frozen = torch.nn.Linear(hidden, hidden)
-        self.frozen.requires_grad_(False)
-        self.mid = torch.nn.Linear(hidden, hidden)
-        self.back = torch.nn.Linear(hidden, hidden, bias=False)
-        self.back.weight = self.mid.weight
-        self.head = torch.nn.Linear(hidden, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        h = torch.tanh(self.mid(torch.tanh(self.frozen(h))))
-        return self.head(torch.tanh(self.back(h)))
+from _zero3_toy import GLOBAL, TiedNet
+from _zero3_toy import INFINITY_ZERO as ZERO
+from _zero3_toy import train_step as _step
 
 
 def _nvme(path: str, param: dict | None = None, **optimizer: object) -> dict:
@@ -50,23 +30,10 @@ def _engine(seed: int, zero: dict, aio: dict | None = None, model: torch.nn.Modu
     config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
               "gradient_clipping": 0.5, "steps_per_print": 10**6, "zero_optimization": zero,
               "zero_force_ds_cpu_optimizer": False, "aio": aio or {"block_size": 4096, "queue_depth": 4}}
-    model = model or Net()
+    model = model or TiedNet()
     # the same torch optimizer in memory and on NVMe: the comparison is of where the states live, nothing else
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02, weight_decay=0.01)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
-
-
-def _step(engine, step: int) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(GLOBAL, 6, generator=gen), torch.randn(GLOBAL, 3, generator=gen)
-    micro = GLOBAL // world
-    loss = torch.nn.functional.mse_loss(engine(x[rank * micro:(rank + 1) * micro]), y[rank * micro:(rank + 1) * micro])
-    engine.backward(loss)
-    engine.step()
-    t = loss.detach().clone()
-    dist.all_reduce(t)
-    return float(t) / world
 
 
 def _files(path: str) -> list[str]:
@@ -114,7 +81,7 @@ def _zero_init_run(path: str) -> list[float]:
     config = {"zero_optimization": {**ZERO, **_nvme(path)}}
     torch.manual_seed(0)
     with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=config):
-        model = Net()
+        model = TiedNet()
     assert all(p.ds_tensor.device.type == "meta" for p in model.parameters())  # nothing left in memory
     engine = _engine(0, {**ZERO, **_nvme(path)}, model=model)
     losses = [_step(engine, s) for s in range(3)]

@@ -14,10 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_distributed
-
-GLOBAL = 8
-ZERO = {"stage": 3, "stage3_param_persistence_threshold": 20, "reduce_bucket_size": 100, "sub_group_size": 60,
-        "stage3_prefetch_bucket_size": 100}
+from _zero3_toy import GLOBAL, train_step
+from _zero3_toy import INFINITY_ZERO as ZERO
 
 
 class Net(torch.nn.Module):
@@ -48,13 +46,11 @@ def _engine(zero: dict, config_optimizer: bool = True, aio: dict | None = None):
 
 
 def _step(engine, step: int, grads: dict | None = None) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(GLOBAL, 6, generator=gen), torch.randn(GLOBAL, 3, generator=gen)
-    micro = GLOBAL // world
-    loss = torch.nn.functional.mse_loss(engine(x[rank * micro:(rank + 1) * micro]), y[rank * micro:(rank + 1) * micro])
-    engine.backward(loss)
-    if grads is not None:  # between backward and step: read every gradient, then halve it
+    """One training step; with ``grads``, reads every gradient between backward and step, then halves it."""
+    if grads is None:
+        return train_step(engine, step)
+
+    def halve() -> None:
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
         params = list(engine.module.parameters())
@@ -62,10 +58,8 @@ def _step(engine, step: int, grads: dict | None = None) -> float:
         for p, g in zip(params, grads["grad"], strict=True):
             safe_set_full_grad(p, g * 0.5)
         grads["halved"] = [safe_get_full_grad(p).clone() for p in params]
-    engine.step()
-    t = loss.detach().clone()
-    dist.all_reduce(t)
-    return float(t) / world
+
+    return train_step(engine, step, after_backward=halve)
 
 
 def _cross(save_dir: str) -> dict:

@@ -14,21 +14,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_distributed
+from _sibling import load_sibling
 
-_NAME = "_ds_zero_zeropp_common"
-if _NAME not in sys.modules:
-    _spec = importlib.util.spec_from_file_location(_NAME, Path(__file__).with_name("_zeropp_common.py"))
-    sys.modules[_NAME] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules[_NAME])
-common = sys.modules[_NAME]
+common = load_sibling(__file__, "_zeropp_common.py", "_ds_zero_zeropp_common")
 
 LOSS_TOL = 2e-2  # relative, per step, quantized against unquantized
 BYTES_RATIO = 0.3

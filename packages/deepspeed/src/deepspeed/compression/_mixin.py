@@ -40,6 +40,10 @@ class CompressionMixin:
 
     weight: nn.Parameter
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # the torch layer's own arguments
+        self.init_compression_state()
+
     def init_compression_state(self) -> None:
         """Every technique configured off (called by the constructors and by in-place conversion)."""
         self.weight_quantization_enabled = False  # switched on by the scheduler at schedule_offset

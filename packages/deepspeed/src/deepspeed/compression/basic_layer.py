@@ -20,6 +20,19 @@ from deepspeed.compression._mixin import (
 from deepspeed.compression.utils import SYMMETRIC, quantize_asymmetric, quantize_symmetric
 
 
+def _keep_outputs(layer: nn.Module, keep: torch.Tensor, dim_reduction: bool) -> None:
+    """Keep the output rows / filters (weight dim 0, bias) where ``keep`` is True: the others are removed with
+    ``dim_reduction``, else zeroed in place (the shapes stay)."""
+    if dim_reduction:
+        replace_parameter(layer, "weight", layer.weight[keep])
+        if layer.bias is not None:
+            replace_parameter(layer, "bias", layer.bias[keep])
+    else:
+        layer.weight.data.mul_(output_mask(keep, layer.weight).to(layer.weight.dtype))
+        if layer.bias is not None:
+            layer.bias.data.mul_(keep.to(layer.bias.dtype))
+
+
 class QuantAct(nn.Module):
     """Static activation quantization: one range for all tokens/images, tracked with momentum
     ``act_range_momentum`` in training and fixed in eval (fast inference, some accuracy cost)."""
@@ -53,10 +66,6 @@ class QuantAct(nn.Module):
 
 class LinearLayer_Compress(CompressionMixin, nn.Linear):  # DeepSpeed's class name
     """``nn.Linear`` with weight/activation quantization, sparse, row and head pruning."""
-
-    def __init__(self, *args: object, bias: bool = True, **kwargs: object) -> None:
-        super().__init__(*args, bias=bias, **kwargs)
-        self.init_compression_state()
 
     def init_compression_state(self) -> None:
         super().init_compression_state()
@@ -115,15 +124,8 @@ class LinearLayer_Compress(CompressionMixin, nn.Linear):  # DeepSpeed's class na
             self.in_features = self.weight.shape[1]
             return None
         keep = as_bool(self.get_mask("row"))
-        if dim_reduction:
-            replace_parameter(self, "weight", self.weight[keep])
-            if self.bias is not None:
-                replace_parameter(self, "bias", self.bias[keep])
-            self.out_features = self.weight.shape[0]
-        else:
-            self.weight.data.mul_(output_mask(keep, self.weight).to(self.weight.dtype))
-            if self.bias is not None:
-                self.bias.data.mul_(keep.to(self.bias.dtype))
+        _keep_outputs(self, keep, dim_reduction)
+        self.out_features = self.weight.shape[0]
         self._drop_pruning_state("row")
         return keep
 
@@ -138,10 +140,7 @@ class LinearLayer_Compress(CompressionMixin, nn.Linear):  # DeepSpeed's class na
             if self.out_features % heads:
                 raise ValueError(f"head pruning: num_heads={heads} must divide the related module's "
                                  f"out_features={self.out_features}")
-            rows = keep.repeat_interleave(self.out_features // heads)
-            replace_parameter(self, "weight", self.weight[rows])
-            if self.bias is not None:
-                replace_parameter(self, "bias", self.bias[rows])
+            _keep_outputs(self, keep.repeat_interleave(self.out_features // heads), dim_reduction=True)
             self.out_features = self.weight.shape[0]
             return None
         keep = as_bool(self.get_mask("head"))
@@ -157,10 +156,6 @@ class LinearLayer_Compress(CompressionMixin, nn.Linear):  # DeepSpeed's class na
 
 class Conv2dLayer_Compress(CompressionMixin, nn.Conv2d):  # DeepSpeed's class name
     """``nn.Conv2d`` with weight/activation quantization, sparse and channel (output filter) pruning."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.init_compression_state()
 
     def init_compression_state(self) -> None:
         super().init_compression_state()
@@ -199,27 +194,16 @@ class Conv2dLayer_Compress(CompressionMixin, nn.Conv2d):  # DeepSpeed's class na
             self.in_channels = self.weight.shape[1]
             return None
         keep = as_bool(self.get_mask("channel"))
-        if dim_reduction:
-            if self.groups != 1:
-                raise ValueError(f"channel pruning with related modules needs groups=1, got groups={self.groups}")
-            replace_parameter(self, "weight", self.weight[keep])
-            if self.bias is not None:
-                replace_parameter(self, "bias", self.bias[keep])
-            self.out_channels = self.weight.shape[0]
-        else:
-            self.weight.data.mul_(output_mask(keep, self.weight).to(self.weight.dtype))
-            if self.bias is not None:
-                self.bias.data.mul_(keep.to(self.bias.dtype))
+        if dim_reduction and self.groups != 1:
+            raise ValueError(f"channel pruning with related modules needs groups=1, got groups={self.groups}")
+        _keep_outputs(self, keep, dim_reduction)
+        self.out_channels = self.weight.shape[0]
         self._drop_pruning_state("channel")
         return keep
 
 
 class Embedding_Compress(CompressionMixin, nn.Embedding):  # DeepSpeed's class name
     """``nn.Embedding`` with weight quantization (one scale per token row, as DeepSpeed does)."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.init_compression_state()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, weight_quantization={self.weight_quantize_bits}"

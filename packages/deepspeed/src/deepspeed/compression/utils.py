@@ -92,16 +92,21 @@ def quantize(x: torch.Tensor, num_bits: int, quantization_type: str = SYMMETRIC,
     return quantize_ternary(x, num_groups) if num_bits == 2 else quantize_binary(x, num_groups)
 
 
-class _FakeQuant(torch.autograd.Function):
+class _StraightThrough(torch.autograd.Function):
+    """Base of the fake quantizers below (five inputs, the tensor first): backward passes the gradient through
+    unchanged, as quantization-aware training does."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
+class _FakeQuant(_StraightThrough):
     """Straight-through wrapper around ``quantize``: forward quantizes, backward is the identity."""
 
     @staticmethod
     def forward(ctx, x, num_bits, quantization_type, num_groups, rounding):
         return quantize(x, num_bits, quantization_type, num_groups, rounding)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None
 
 
 def fake_quantize(x: torch.Tensor, num_bits: int, quantization_type: str = SYMMETRIC, num_groups: int = 1,
@@ -110,7 +115,7 @@ def fake_quantize(x: torch.Tensor, num_bits: int, quantization_type: str = SYMME
     return _FakeQuant.apply(x, num_bits, quantization_type, num_groups, rounding)
 
 
-class SymQuantizer(torch.autograd.Function):
+class SymQuantizer(_StraightThrough):
     """Symmetric fake quantization with a straight-through gradient. ``min_value``/``max_value`` fix the range
     (static activations, one group); otherwise each of ``num_groups`` groups uses its own ``max|x|``."""
 
@@ -120,12 +125,8 @@ class SymQuantizer(torch.autograd.Function):
             return quantize_symmetric(input, num_bits, num_groups)
         return quantize_symmetric(input, num_bits, 1, max_abs=torch.maximum(min_value.abs(), max_value.abs()))
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None
 
-
-class AsymQuantizer(torch.autograd.Function):
+class AsymQuantizer(_StraightThrough):
     """Asymmetric fake quantization with a straight-through gradient (see ``SymQuantizer``)."""
 
     @staticmethod
@@ -134,33 +135,21 @@ class AsymQuantizer(torch.autograd.Function):
             return quantize_asymmetric(input, num_bits, num_groups)
         return quantize_asymmetric(input, num_bits, 1, min_max=(min_value, max_value))
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None
 
-
-class TernaryQuantizer(torch.autograd.Function):
+class TernaryQuantizer(_StraightThrough):
     """2-bit (ternary) fake quantization with a straight-through gradient; ``num_bits`` is ignored."""
 
     @staticmethod
     def forward(ctx, input, num_bits=2, min_value=None, max_value=None, num_groups=1):
         return quantize_ternary(input, num_groups)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None
 
-
-class BinaryQuantizer(torch.autograd.Function):
+class BinaryQuantizer(_StraightThrough):
     """1-bit (binary) fake quantization with a straight-through gradient; ``num_bits`` is ignored."""
 
     @staticmethod
     def forward(ctx, input, num_bits=1, min_value=None, max_value=None, num_groups=1):
         return quantize_binary(input, num_groups)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None
 
 
 def topk_mask(scores: torch.Tensor, ratio: float) -> torch.Tensor:

@@ -133,6 +133,16 @@ _MLP_DOWN = r".*\.mlp\.down_proj\.weight$"
 _MLP_UP = r".*\.mlp\.(up|gate)_proj\.weight$"
 
 
+def _fused_qkv_specs(qkv_shape: list[int] | None = None, up_shape: list[int] | None = None) -> list[TPLayerSpec]:
+    """BLOOM / ChatGLM layout: ``self_attention.query_key_value`` and ``mlp.dense_h_to_4h`` split by columns
+    (as blocks of ``qkv_shape`` / ``up_shape`` on dim 0 when given), ``dense`` and ``dense_4h_to_h`` by rows."""
+    return [_spec("row", r".*\.self_attention\.dense\.weight$"),
+            _spec("column", r".*\.self_attention\.query_key_value\.weight$", shape=qkv_shape,
+                  dim=0 if qkv_shape else None),
+            _spec("row", r".*\.mlp\.dense_4h_to_h\.weight$"),
+            _spec("column", r".*\.mlp\.dense_h_to_4h\.weight$", shape=up_shape, dim=0 if up_shape else None)]
+
+
 class AutoTPPresets:
     """Layer specs of the documented model families (``preset_model``)."""
 
@@ -146,19 +156,11 @@ class AutoTPPresets:
     @staticmethod
     def bloom() -> AutoTPConfig:
         # BLOOM's fused QKV interleaves heads ([q1 k1 v1 q2 ...]), so a plain head split keeps whole heads.
-        return AutoTPConfig(layer_specs=[
-            _spec("row", r".*\.self_attention\.dense\.weight$"),
-            _spec("column", r".*\.self_attention\.query_key_value\.weight$"),
-            _spec("row", r".*\.mlp\.dense_4h_to_h\.weight$"),
-            _spec("column", r".*\.mlp\.dense_h_to_4h\.weight$")])
+        return AutoTPConfig(layer_specs=_fused_qkv_specs())
 
     @staticmethod
     def chatglm() -> AutoTPConfig:
-        return AutoTPConfig(layer_specs=[
-            _spec("row", r".*\.self_attention\.dense\.weight$"),
-            _spec("column", r".*\.self_attention\.query_key_value\.weight$", shape=[3, -1], dim=0),
-            _spec("row", r".*\.mlp\.dense_4h_to_h\.weight$"),
-            _spec("column", r".*\.mlp\.dense_h_to_4h\.weight$", shape=[2, -1], dim=0)])
+        return AutoTPConfig(layer_specs=_fused_qkv_specs(qkv_shape=[3, -1], up_shape=[2, -1]))
 
     @staticmethod
     def mixtral() -> AutoTPConfig:

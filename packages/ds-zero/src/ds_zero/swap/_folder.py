@@ -95,3 +95,14 @@ def new_handle(aio: Any) -> AsyncIOHandle:
 def annotate(exc: AioError, what: str) -> AioError:
     """The same error with the swap operation it broke (``swap in optimizer sub-group 3``) in front."""
     return AioError(f"{what}: {exc.operation}", exc.path, exc.errno, str(exc).split(": ", 1)[-1])
+
+
+def close_handles(*handles: AsyncIOHandle) -> None:
+    """Finish each handle's pending I/O and close it; an I/O error is dropped, as closing follows a failure
+    as often as not and the swap files are removed anyway."""
+    for h in handles:
+        try:
+            h.wait()
+        except AioError:
+            pass
+        h.close()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ds_ops.aio import AioError
-from ds_zero.swap._folder import annotate, cleanup_on_exit, make_swap_folder, new_handle
+from ds_zero.swap._folder import annotate, cleanup_on_exit, close_handles, make_swap_folder, new_handle
 from ds_zero.swap.buffer_pool import BufferPool
 
 MASTER = "master"
@@ -267,12 +267,7 @@ class OptimizerSwapper:
 
     def close(self) -> None:
         """Finish pending I/O, free the buffers and delete the swap files."""
-        for h in (self.reader, self.writer):
-            try:
-                h.wait()
-            except AioError:
-                pass  # closing after a failure: the files go anyway
-            h.close()
+        close_handles(self.reader, self.writer)
         if self._pool is not None:
             self._pool.close()
             self._pool = None

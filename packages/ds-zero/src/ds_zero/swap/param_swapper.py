@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ds_ops.aio import AioError, page_aligned_empty
-from ds_zero.swap._folder import annotate, cleanup_on_exit, make_swap_folder, new_handle
+from ds_zero.swap._folder import annotate, cleanup_on_exit, close_handles, make_swap_folder, new_handle
 from ds_zero.swap.buffer_pool import BufferPool
 
 
@@ -236,12 +236,7 @@ class ParamSwapper:
         self.resident.clear()
 
     def close(self) -> None:
-        for h in (self.reader, self.writer):
-            try:
-                h.wait()
-            except AioError:
-                pass  # closing after a failure: the files go anyway
-            h.close()
+        close_handles(self.reader, self.writer)
         for pool in self._pools.values():
             pool.close()
         self._pools = {}
