@@ -2,14 +2,16 @@
 the chosen config against the job's default config (examples/gpt_ds_config.json), measured in the same run.
 
 Steps: (1) ``deepspeed --num_gpus 2 --autotuning tune examples/train_gpt.py --deepspeed --deepspeed_config
-<tuning config>``, where the tuning config is the default config with ``zero_optimization.stage: "all"`` and an
-``autotuning`` section (``fast``, ``max_train_batch_size``); its wall time must stay under ``--budget_s`` (600 s)
-and it must write the documented files. (2) The default config and ``ds_config_optimal.json`` each train
-through the launcher ``--repeats`` times, alternating, timed by the same engine probe the Autotuner uses
-(steps 3..20). Reported: global samples/s (median, min-max, best) and optimal/default as the median of the
-per-repetition ratios (adjacent runs, so drifting load cancels) and best-of-N (target >= 1.0: the chosen config
-is at least as fast). On a shared, loaded machine the spread is wide: the load average is printed, and the
-samples per CPU-second of rank 0 (the probe's ``cpu_latency``) are given as a load-insensitive cross-check.
+<tuning config>``, where the tuning config is the default config with ``zero_optimization.stage`` a list of all
+stages, the default's first (so the Autotuner measures the default itself as its baseline experiment and chooses
+among candidates that include it), and an ``autotuning`` section (``fast``, ``max_train_batch_size``); its wall
+time must stay under ``--budget_s`` (600 s) and it must write the documented files; its summary gives the
+in-run optimal/baseline ratio. (2) The default config and ``ds_config_optimal.json`` each train through the
+launcher ``--repeats`` times, alternating, timed by the same engine probe the Autotuner uses (steps 3..20).
+Reported: global samples/s (median, min-max, best) and optimal/default as the median of the per-repetition
+ratios (adjacent runs, so drifting load cancels) and best-of-N (target >= 1.0: the chosen config is at least
+as fast). On a shared, loaded machine the spread is wide: the load average is printed, and the samples per
+CPU-second of rank 0 (the probe's ``cpu_latency``) are given as a load-insensitive cross-check.
 Run: ``python benchmarks/autotuning.py`` (``--help`` for options); ``hatch run bench:autotuning``.
 """
 
@@ -57,7 +59,8 @@ def _launch(workdir: Path, config: Path, extra: list[str], timeout: float) -> su
 def tune(workdir: Path, args: argparse.Namespace) -> tuple[float, Path]:
     """Run the tuning job; returns (wall seconds, results folder)."""
     config = json.loads(DEFAULT_CONFIG.read_text())
-    config["zero_optimization"]["stage"] = "all"
+    stage = config["zero_optimization"]["stage"]
+    config["zero_optimization"]["stage"] = [stage] + [s for s in range(4) if s != stage]  # the default's first
     config["autotuning"] = {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 3,
                             "end_profile_step": args.end_profile_step,
                             "max_train_batch_size": args.max_train_batch_size}
@@ -103,12 +106,18 @@ def main(argv: list[str] | None = None) -> None:
     wall, results = tune(workdir, args)
     missing = [f for f in DOCUMENTED if not (results / f).exists()]
     experiments = sorted(p.name for p in (workdir / "autotuning_exps").glob("*.json"))
-    print((results / "summary.txt").read_text())
+    summary = (results / "summary.txt").read_text()
+    print(summary)
+    default = json.loads(DEFAULT_CONFIG.read_text())
+    expected = (f"z{default['zero_optimization']['stage']}_gas{default.get('gradient_accumulation_steps', 1)}"
+                f"_tmbspg{default['train_micro_batch_size_per_gpu']}")
+    measured = f"baseline (the user's config): {expected}" in summary
+    print(f"the default config was measured in the tuning run as its baseline ({expected}): "
+          f"{'yes' if measured else 'NO'}")
     print(f"tuning run: {wall:.0f} s wall for {len(experiments)} experiments (budget {args.budget_s:.0f} s): "
           f"{'OK' if wall <= args.budget_s else 'OVER BUDGET'}; documented files "
           f"{'all written' if not missing else 'MISSING ' + ', '.join(missing)}")
 
-    default = json.loads(DEFAULT_CONFIG.read_text())
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     rates: dict[str, list[float]] = {"default": [], "optimal": []}
     cpu_rates: dict[str, list[float]] = {"default": [], "optimal": []}

@@ -90,6 +90,18 @@ def _mbs(cfg):
 
 
 # ---- utils ---------------------------------------------------------------------------------------------
+def test_defaults_are_the_documented_ones():
+    """The ``autotuning`` section's documented defaults (config reference), as the Autotuner reads them."""
+    from ds_config import AutotuningConfig
+
+    documented = {"enabled": False, "results_dir": "autotuning_results", "exps_dir": "autotuning_exps",
+                  "overwrite": False, "metric": "throughput", "start_profile_step": 3, "end_profile_step": 5,
+                  "fast": True, "max_train_batch_size": None, "mp_size": 1, "num_tuning_micro_batch_sizes": 3,
+                  "tuner_type": "model_based", "tuner_early_stopping": 5, "tuner_num_trials": 50,
+                  "arg_mappings": None}
+    assert AutotuningConfig().model_dump(include=set(documented)) == documented
+
+
 def test_tuning_space_expansion_and_names():
     space = {"zero_optimization": {"stage": 1, "reduce_bucket_size": [5e7, 5e8], "overlap_comm": [True, False]},
              "train_micro_batch_size_per_gpu": [2, 4, 4], "optimizer": {"params": {"betas": [0.9, 0.99]}}}
@@ -185,7 +197,7 @@ def test_model_based_tuner_finds_the_peak_with_fewer_runs():
 
 
 # ---- the search ----------------------------------------------------------------------------------------
-def test_fast_search_over_stages_and_micro_batches(tmp_path):
+def test_fast_search_over_stages_and_micro_batches(tmp_path, monkeypatch):
     """Stage 1 is fastest; micro batches above 12 fail (out of memory); the bisection finds 12."""
     def score(cfg):
         mbs, stage = _mbs(cfg), cfg["zero_optimization"]["stage"]
@@ -206,7 +218,11 @@ def test_fast_search_over_stages_and_micro_batches(tmp_path):
     best = tuner.get_best_space_records()["global"]
     assert best[0]["name"].startswith("z1_") and best[0][DS_CONFIG]["train_micro_batch_size_per_gpu"] == 12
     assert list(tuner.get_best_space_records()) == ["z0", "z1", "global"]
+    replaced = []  # every result file is written atomically (temporary name, then os.replace)
+    monkeypatch.setattr(os, "replace", lambda src, dst, _real=os.replace: (replaced.append(dst), _real(src, dst)))
     path = tuner.write_optimal_config()
+    tuner.print_tuning_results()
+    assert {os.path.basename(p) for p in replaced} == {"ds_config_optimal.json", "cmd_optimal.txt", "summary.txt"}
     optimal = json.loads(open(path).read())
     assert "autotuning" not in optimal and optimal["zero_optimization"]["stage"] == 1
     assert optimal["train_batch_size"] == optimal["train_micro_batch_size_per_gpu"] * \
@@ -259,6 +275,55 @@ def test_profile_falls_back_to_the_lowest_stage(tmp_path):
     assert rm.ran == ["profile_model_info"] and tuner.records == {}  # stage 3 is the lowest: no second try
 
 
+def test_the_users_config_is_a_measured_baseline(tmp_path):
+    """Stage 1 only searches micro batches above stage 0's largest (12), so the user's own setting (stage 1,
+    micro 3) would not be measured; it is, as the baseline, and here it wins. The summary names it with the
+    ratio of the optimum to it."""
+    def score(cfg):
+        mbs, stage = _mbs(cfg), cfg["zero_optimization"]["stage"]
+        if mbs > 12:
+            return None
+        return 1000.0 if (stage, mbs) == (1, 3) else float(mbs)
+
+    tuner, rm = _tuner(tmp_path, {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": [1, 0]},
+                                  "autotuning": {"fast": True, "max_train_batch_size": 64}}, score)
+    tuner.tune()
+    assert rm.ran[1] == "z1_gas1_tmbspg3" and tuner.baseline_name == "z1_gas1_tmbspg3"
+    assert tuner.baseline_setting() == (1, 3, 1)
+    assert "z1_gas1_tmbspg12" in rm.ran and len(rm.ran) == len(set(rm.ran))
+    assert tuner.get_best_space_records()["global"][0]["name"] == "z1_gas1_tmbspg3"
+    text = tuner.print_tuning_results()
+    assert "z1_gas1_tmbspg3 (baseline)" in text
+    assert "baseline (the user's config): z1_gas1_tmbspg3, throughput 1000; optimal/baseline throughput " \
+           "ratio 1.000 (speedup 1.000x)" in text
+
+
+def test_baseline_ratio_follows_the_metric_and_failures(tmp_path):
+    """Latency: lower is better, so the speedup is baseline/optimal; a failed baseline is reported, never best."""
+    tuner, _ = _tuner(tmp_path / "lat", {"train_micro_batch_size_per_gpu": [4, 1, 2],
+                                         "zero_optimization": {"stage": 0}, "autotuning": {"metric": "latency"}},
+                      lambda cfg: float(_mbs(cfg)))
+    tuner.tune()
+    assert tuner.baseline_name == "z0_gas1_tmbspg4"
+    assert "optimal/baseline latency ratio 0.250 (speedup 4.000x)" in tuner.print_tuning_results()
+    tuner, _ = _tuner(tmp_path / "fail", {"train_micro_batch_size_per_gpu": [4, 1, 2],
+                                          "zero_optimization": {"stage": 0}},
+                      lambda cfg: None if _mbs(cfg) == 4 else float(_mbs(cfg)))
+    tuner.tune()
+    assert tuner.get_best_space_records()["global"][0]["name"] == "z0_gas2_tmbspg2"
+    assert "baseline (the user's config): z0_gas1_tmbspg4 failed (exit code 1: out of memory)" in \
+        tuner.print_tuning_results()
+
+
+def test_baseline_setting_of_partial_configs(tmp_path):
+    """Without a micro batch it follows from train_batch_size; "all" (or no stage) runs DeepSpeed's stage 0."""
+    tuner, _ = _tuner(tmp_path, {"train_batch_size": 16, "gradient_accumulation_steps": 2,
+                                 "zero_optimization": {"stage": "all"}}, lambda cfg: 1.0)
+    assert tuner.baseline_setting() == (0, 4, 2)  # 16 / (2 steps x 2 ranks)
+    tuner, _ = _tuner(tmp_path / "b", {}, lambda cfg: 1.0)
+    assert tuner.baseline_setting() == (0, 1, 1)
+
+
 def test_nothing_runs(tmp_path):
     tuner, _ = _tuner(tmp_path, {"zero_optimization": {"stage": 0}}, lambda cfg: None)
     tuner.tune()
@@ -279,11 +344,56 @@ def test_bad_inputs(tmp_path):
                                                      "autotuning": {"results_dir": str(tmp_path / "r")}}))
     with pytest.raises(ConfigError, match="zero_optimization.stage"):
         Autotuner(_args(str(tmp_path / "stage.json")), {"localhost": [0]}).user_zero_stages()
+    for key, value in (("train_micro_batch_size_per_gpu", [2, "x"]), ("train_micro_batch_size_per_gpu", []),
+                       ("gradient_accumulation_steps", 0), ("train_batch_size", True),
+                       ("zero_optimization", {"stage": []}), ("zero_optimization", {"stage": [True]})):
+        (tmp_path / "b.json").write_text(json.dumps({key: value, "autotuning": {"results_dir": str(tmp_path / "r")}}))
+        path = key if key != "zero_optimization" else "zero_optimization.stage"
+        with pytest.raises(ConfigError, match=path):
+            Autotuner(_args(str(tmp_path / "b.json")), {"localhost": [0]})
+    (tmp_path / "ok.json").write_text(json.dumps({"autotuning": {"results_dir": str(tmp_path / "r")}}))
     with pytest.raises(ValueError, match="rank"):
-        Autotuner(_args(str(tmp_path / "stage.json"), num_gpus=4), {"localhost": [0, 1]})
+        Autotuner(_args(str(tmp_path / "ok.json"), num_gpus=4), {"localhost": [0, 1]})
+
+
+def test_overwrite_refuses_to_delete_the_launch_directory(tmp_path, monkeypatch):
+    """``overwrite`` deletes results_dir/exps_dir first: never the launch directory or a folder above it."""
+    work = tmp_path / "project"
+    (work / "keep").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    for key, value in (("results_dir", "."), ("exps_dir", str(tmp_path))):
+        (tmp_path / "c.json").write_text(json.dumps({"autotuning": {"overwrite": True, key: value}}))
+        with pytest.raises(ConfigError, match=f"autotuning.{key}"):
+            Autotuner(_args(str(tmp_path / "c.json")), {"localhost": [0]})
+    assert (work / "keep").is_dir()
+    (work / "autotuning_results" / "old").mkdir(parents=True)
+    (tmp_path / "c.json").write_text(json.dumps({"autotuning": {"overwrite": True}}))
+    Autotuner(_args(str(tmp_path / "c.json")), {"localhost": [0]})
+    assert not (work / "autotuning_results" / "old").exists() and (work / "keep").is_dir()
 
 
 # ---- launcher jobs -------------------------------------------------------------------------------------
+def test_experiment_timeout_env_var_is_read_validated_and_documented(tmp_path, monkeypatch, capsys):
+    """No config key documents a time limit: ``DS_AUTOTUNING_EXP_TIMEOUT`` sets it, and --help says so."""
+    import deepspeed.autotuning as package
+    from deepspeed.launcher.runner import parse_args
+
+    (tmp_path / "ds.json").write_text(json.dumps({"autotuning": {"results_dir": str(tmp_path / "r"),
+                                                                 "exps_dir": str(tmp_path / "e")}}))
+    monkeypatch.setenv("DS_AUTOTUNING_EXP_TIMEOUT", "42.5")
+    assert Autotuner(_args(str(tmp_path / "ds.json")), {"localhost": [0]}).rm.timeout_s == 42.5
+    monkeypatch.delenv("DS_AUTOTUNING_EXP_TIMEOUT")
+    assert Autotuner(_args(str(tmp_path / "ds.json")), {"localhost": [0]}).rm.timeout_s == 1800.0
+    for bad in ("0", "soon"):
+        monkeypatch.setenv("DS_AUTOTUNING_EXP_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"DS_AUTOTUNING_EXP_TIMEOUT='{bad}': expected a positive"):
+            Autotuner(_args(str(tmp_path / "ds.json")), {"localhost": [0]})
+    assert "DS_AUTOTUNING_EXP_TIMEOUT" in package.__doc__
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "DS_AUTOTUNING_EXP_TIMEOUT" in " ".join(capsys.readouterr().out.split())
+
+
 def test_experiment_command_and_timeout(tmp_path):
     """The command carries the resources, a port per experiment, the config path and ``arg_mappings``; a job
     past its time limit is killed (with its ranks) and recorded as failed."""
@@ -311,6 +421,11 @@ def test_experiment_command_and_timeout(tmp_path):
     # overwrite is off: the recorded failure is reused, nothing is launched again
     started = time.perf_counter()
     assert rm.run([exp])[0].error == saved["error"] and time.perf_counter() - started < 1
+    # ... but not when the script's arguments changed (or the rank count): that is another measurement
+    args.user_args[1] = "exit 3"
+    assert rm.run([exp])[0].error.startswith("exit code 3")
+    assert json.loads((tmp_path / "res" / "slow" / "exp.json").read_text())["job"]["user_args"][:2] == \
+        ["-c", "exit 3"]
     hostfile_rm = ResourceManager(args, {"w0": [0, 1], "w1": [0, 1]}, str(tmp_path), str(tmp_path), None, 1.0,
                                   False, from_hostfile=True)
     launcher = hostfile_rm.launcher_args({"num_gpus": 1, "num_nodes": 2, "exp_id": 3})
@@ -350,6 +465,24 @@ def _probe_body(mode: str, path: str) -> dict:
     except SystemExit as exc:
         return {"code": exc.code, "forwards": forwards, "steps": engine.global_steps}
     return {"code": None, "forwards": forwards, "steps": engine.global_steps}
+
+
+def test_disabled_autotuning_costs_the_engine_nothing():
+    """Without ``autotuning.enabled`` no probe (no hooks) is attached, and importing the engine loads none of the
+    search's modules."""
+    import subprocess
+    import types
+
+    from deepspeed.autotuning._probe import attach_probe
+    from ds_config import AutotuningConfig
+
+    module = torch.nn.Linear(2, 2)
+    assert attach_probe(types.SimpleNamespace(module=module), AutotuningConfig()) is None
+    assert not module._forward_pre_hooks and not module._forward_hooks
+    code = ("import sys, deepspeed.runtime.engine; "
+            "print(sorted(m for m in sys.modules if m.startswith('deepspeed.autotuning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[-2] == "['deepspeed.autotuning', 'deepspeed.autotuning._probe']", out.stderr
 
 
 def test_probe_writes_metrics_then_exits(tmp_path):

@@ -22,6 +22,7 @@ from deepspeed.autotuning.constants import (
 )
 from deepspeed.autotuning.scheduler import ExperimentResult, is_better
 from deepspeed.autotuning.utils import tuning_micro_batch_sizes
+from ds_config import ConfigError
 
 logger = logging.getLogger("deepspeed.launcher.autotuning")
 
@@ -73,6 +74,35 @@ class MicroBatchSearch:
         if known is None:
             self.update_records(space, self._session_results[name])
         return value
+
+    # ---- the user's own config (the baseline) ---------------------------------------------------------
+    def baseline_setting(self: Any) -> tuple[int, int, int]:
+        """(ZeRO stage, micro batch, accumulation steps) of the user's config as DeepSpeed would run it without
+        tuning: a list's first value, the stage 0 default for ``"all"`` or no stage, the micro batch from
+        ``train_batch_size`` when only that is given."""
+        stage = (self.user_config.get(ZERO_OPTIMIZATION) or {}).get("stage", 0)
+        stage = stage[0] if isinstance(stage, list) and stage else stage
+        stage = 0 if stage == "all" else int(stage)
+        gas = self.get_gas_from_user_config()
+        mbs = self.user_config.get(TRAIN_MICRO_BATCH_SIZE_PER_GPU)
+        mbs = mbs[0] if isinstance(mbs, list) and mbs else mbs
+        total = self.user_config.get(TRAIN_BATCH_SIZE)
+        if not isinstance(mbs, int) and isinstance(total, int) and not isinstance(total, bool):
+            mbs = max(total * self.mp_size() // (gas * self.exp_num_gpus * self.exp_num_nodes), 1)
+        elif not isinstance(mbs, int) or isinstance(mbs, bool):
+            mbs = self._user_micro_batch_size()
+        return stage, mbs, gas
+
+    def run_baseline(self: Any) -> float | None:
+        """Measure the user's own config, so the optimum is chosen among candidates that include it (and the
+        summary can say how much tuning gained); recorded in its stage's space like any micro-batch run."""
+        stage, mbs, gas = self.baseline_setting()
+        self.baseline_name = f"{TUNING_MICRO_BATCH_SIZE_PREFIX}{stage}_gas{gas}_tmbspg{mbs}"
+        logger.info("measuring the user's config (the baseline): %s", self.baseline_name)
+        return self.run_mbs(stage, mbs, gas)
+
+    def baseline_result(self: Any) -> ExperimentResult | None:
+        return self._session_results.get(self.baseline_name) if self.baseline_name else None
 
     # ---- the micro-batch range ------------------------------------------------------------------------
     def get_min_max_micro_batch_size(self: Any, stage: int, min_micro_batch_size: int,
@@ -144,6 +174,18 @@ class MicroBatchSearch:
         return sorted(set(sizes))
 
     # ---- user values ----------------------------------------------------------------------------------
+    def validate_user_batch(self: Any) -> None:
+        """The batch keys the search reads: a positive integer, ``"auto"`` or (micro batch, accumulation steps)
+        a non-empty list of positive integers; anything else would be dropped silently."""
+        for key in (TRAIN_MICRO_BATCH_SIZE_PER_GPU, GRADIENT_ACCUMULATION_STEPS, TRAIN_BATCH_SIZE):
+            if key not in self.user_config:
+                continue
+            value = self.user_config[key]
+            values = value if isinstance(value, list) and key != TRAIN_BATCH_SIZE else [value]
+            if not values or not all(v == "auto" or _positive_int(v) for v in values):
+                lists = "" if key == TRAIN_BATCH_SIZE else " or a non-empty list of positive integers"
+                raise ConfigError(f"autotuning accepts a positive integer, 'auto'{lists}", path=key, value=value)
+
     def get_gas_from_user_config(self: Any) -> int:
         """The user's gradient accumulation steps (an int, or ``"auto"`` read through ``arg_mappings``), else 1."""
         value = self.user_config.get(GRADIENT_ACCUMULATION_STEPS, 1)
@@ -174,6 +216,10 @@ class MicroBatchSearch:
         if mbs < 1:
             raise ValueError(f"{TRAIN_MICRO_BATCH_SIZE_PER_GPU} must be >= 1, got {mbs}")
         return max(mbs, self.min_train_micro_batch_size_per_gpu())
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _clearly_better(value: float, than: float | None, metric: str) -> bool:

@@ -156,6 +156,8 @@ class AutotuningProbe:
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())  # atomic (GUIDE 9): the Autotuner reads it once the ranks are gone
         os.replace(tmp, path)
         logger.info("autotuning: wrote %s", os.path.abspath(path))
 

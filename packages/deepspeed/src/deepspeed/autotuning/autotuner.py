@@ -7,7 +7,8 @@ arguments. The search (spec 12, the ``autotuning`` config section):
    one sample and the memory per rank (skipped when ``autotuning.model_info.num_params`` is given);
 2. for each ZeRO stage the user allows (``zero_optimization.stage``: a stage, a list, or ``"all"``/absent for
    0-3) whose model states fit in memory: the micro-batch sizes that run, then ``num_tuning_micro_batch_sizes``
-   of them measured (``fast`` stops here);
+   of them measured (``fast`` stops here); the user's own config (a list's first value, stage 0 for
+   ``"all"``) is always one of the measured experiments: the baseline the summary compares the optimum with;
 3. without ``fast``, for stages 1-3 that improved on the stage below: the stage's ZeRO knobs (bucket sizes,
    overlap, ...) times the measured sizes, explored by ``tuner_type`` (``gridsearch``, ``random``,
    ``model_based``) within ``tuner_num_trials`` and ``tuner_early_stopping``.
@@ -40,6 +41,7 @@ from deepspeed.autotuning.constants import (
     EXP_TIMEOUT_DEFAULT,
     EXP_TIMEOUT_ENV,
     GLOBAL_TUNING_SPACE,
+    METRIC_LATENCY,
     OPTIMAL_CMD_FILE,
     OPTIMAL_CONFIG_FILE,
     PROFILE_MODEL_INFO,
@@ -54,6 +56,7 @@ from deepspeed.autotuning.scheduler import (
     config_arg_index,
     is_better,
     split_equals,
+    write_text,
 )
 from deepspeed.autotuning.tuner import GridSearchTuner, ModelBasedTuner, RandomTuner
 from deepspeed.autotuning.utils import (
@@ -87,9 +90,13 @@ class Autotuner(MicroBatchSearch):
         self.user_config = self._get_user_config(args.user_args)
         self.autotuning_config: AutotuningConfig = validate_section(
             AutotuningConfig, self.user_config.get(AUTOTUNING) or {}, path=AUTOTUNING)
+        self.user_zero_stages()  # bad stages and batch sizes are errors now, not after the profile run
+        self.validate_user_batch()
         self.exps_dir = os.path.abspath(self.autotuning_config.exps_dir)
         self.results_dir = os.path.abspath(self.autotuning_config.results_dir)
-        for folder in (self.exps_dir, self.results_dir):
+        for key, folder in (("exps_dir", self.exps_dir), ("results_dir", self.results_dir)):
+            if self.autotuning_config.overwrite:
+                _check_removable(key, folder)
             if self.autotuning_config.overwrite and os.path.isdir(folder):
                 shutil.rmtree(folder)
             os.makedirs(folder, exist_ok=True)
@@ -99,6 +106,7 @@ class Autotuner(MicroBatchSearch):
         self.exp_num_nodes, self.exp_num_gpus = self._get_exp_resources(args)
         self.records: dict[str, list[ExperimentResult]] = {}
         self._session_results: dict[str, ExperimentResult] = {}
+        self.baseline_name: str | None = None
         self.model_info: dict | None = None
         self.gpu_mem: float | None = None
         self.activation_mem: float | None = None
@@ -214,8 +222,8 @@ class Autotuner(MicroBatchSearch):
         stages = list(ALL_STAGES) if stage == "all" else (stage if isinstance(stage, list) else [stage])
         if "all" in stages:
             return list(ALL_STAGES)
-        bad = [s for s in stages if s not in ALL_STAGES]
-        if bad:
+        bad = [s for s in stages if isinstance(s, bool) or s not in ALL_STAGES]
+        if bad or not stages:
             raise ConfigError("autotuning accepts a stage 0-3, a list of them or 'all'",
                               path="zero_optimization.stage", value=stage)
         return sorted(set(stages))
@@ -234,6 +242,7 @@ class Autotuner(MicroBatchSearch):
             logger.info("the model has %s parameters; activation memory per sample %s; memory per rank %s",
                         number_to_string(self.get_model_num_params() or 0),
                         memory_to_string(self.activation_mem or 0), memory_to_string(self.gpu_mem or 0))
+            self.run_baseline()
             max_mbs, best_mbs, best_val = 0, 0, None
             for stage in self.user_zero_stages():
                 required = self.get_instantiation_memory_required_per_gpu(stage) + (self.activation_mem or 0)
@@ -368,20 +377,34 @@ class Autotuner(MicroBatchSearch):
         best = self.get_best_space_records()
         rows = [(space, n, _fmt(val), exp["name"]) for space, (exp, val, n) in best.items()]
         text = _table(("tuning_space", "num_experiments", f"best_{self.metric()}", "best_exp_name"), rows)
-        every = [(r.name, space, "failed" if r.error else "ok", _fmt(r.value(self.metric())), r.error or "")
+        every = [(r.name + (" (baseline)" if r.name == self.baseline_name else ""), space,
+                  "failed" if r.error else "ok", _fmt(r.value(self.metric())), r.error or "")
                  for space, results in self.records.items() for r in results]
         text += "\n\n" + _table(("experiment", "space", "status", self.metric(), "error"), every)
         duration = datetime.timedelta(seconds=round(time.time() - self.start_time))
         if GLOBAL_TUNING_SPACE in best:
             text += (f"\n\n{best[GLOBAL_TUNING_SPACE][0]['name']} is the optimal setup "
                      f"(results in {best[GLOBAL_TUNING_SPACE][0]['result_dir']}).")
+            text += "\n" + self._baseline_line(best[GLOBAL_TUNING_SPACE][1])
         else:
             text += "\n\nNo experiment succeeded: see the stderr.log of each experiment under " + self.results_dir
         text += f"\nTuning completed in {duration}. Total number of experiments: {self.rm.experiment_count}.\n"
         print(text, flush=True)
-        with open(os.path.join(self.results_dir, SUMMARY_FILE), "w", encoding="utf-8") as handle:
-            handle.write(text)
+        write_text(os.path.join(self.results_dir, SUMMARY_FILE), text)
         return text
+
+    def _baseline_line(self, optimal: float) -> str:
+        """The summary line comparing the optimum with the user's own config (``speedup`` > 1: faster)."""
+        result = self.baseline_result()
+        if result is None:
+            return "baseline (the user's config): not measured"
+        value = result.value(self.metric())
+        if value is None or value == 0:
+            return f"baseline (the user's config): {result.name} failed ({result.error or 'no metric'})"
+        speedup = (value / optimal if optimal else float("inf")) if self.metric() == METRIC_LATENCY \
+            else optimal / value
+        return (f"baseline (the user's config): {result.name}, {self.metric()} {_fmt(value)}; "
+                f"optimal/baseline {self.metric()} ratio {optimal / value:.3f} (speedup {speedup:.3f}x)")
 
     def write_optimal_config(self) -> str | None:
         """Write ``ds_config_optimal.json`` (the best experiment's config without its ``autotuning`` section)
@@ -394,12 +417,10 @@ class Autotuner(MicroBatchSearch):
         ds_config = copy.deepcopy(exp[DS_CONFIG])
         ds_config.pop(AUTOTUNING, None)
         config_path = os.path.join(self.results_dir, OPTIMAL_CONFIG_FILE)
-        with open(config_path, "w", encoding="utf-8") as handle:
-            json.dump(ds_config, handle, indent=2)
+        write_text(config_path, json.dumps(ds_config, indent=2))
         job = {**exp, "exp_id": 0}  # the user's own --master_port
         cmd = self.rm.command(job, config_path)
-        with open(os.path.join(self.results_dir, OPTIMAL_CMD_FILE), "w", encoding="utf-8") as handle:
-            handle.write(shlex.join(cmd) + "\n")
+        write_text(os.path.join(self.results_dir, OPTIMAL_CMD_FILE), shlex.join(cmd) + "\n")
         self.optimal_cmd, self.optimal_ds_config = cmd, ds_config
         logger.info("wrote the optimal DeepSpeed configuration to %s and its command to %s", config_path,
                     os.path.join(self.results_dir, OPTIMAL_CMD_FILE))
@@ -412,6 +433,18 @@ class Autotuner(MicroBatchSearch):
             return 1
         logger.info("running the job with the optimal configuration: %s", shlex.join(self.optimal_cmd))
         return subprocess.run(self.optimal_cmd, check=False).returncode
+
+
+def _check_removable(key: str, folder: str) -> None:
+    """``overwrite`` deletes the results folders: refuse one that holds the launch directory or is a home or
+    filesystem root (``results_dir: "."`` would delete the user's project)."""
+    cwd = os.path.realpath(os.getcwd())
+    real = os.path.realpath(folder)
+    protected = {os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.sep)}
+    if real in protected or cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep):
+        raise ConfigError("with overwrite: true the folder is deleted first; it must not be the launch directory, "
+                          "one above it, the home directory or the filesystem root",
+                          path=f"{AUTOTUNING}.{key}", value=folder)
 
 
 def _timeout_s() -> float:

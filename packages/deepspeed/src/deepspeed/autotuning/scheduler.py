@@ -157,9 +157,9 @@ class ResourceManager:
                 old = json.load(handle)
         except (OSError, ValueError):
             return None
-        if old.get("status") not in ("ok", "failed") or _without_paths(old.get(DS_CONFIG)) != \
-                _without_paths(exp[DS_CONFIG]):
-            return None
+        if old.get("status") not in ("ok", "failed") or old.get("job") != self.job_key(exp) or \
+                _without_paths(old.get(DS_CONFIG)) != _without_paths(exp[DS_CONFIG]):
+            return None  # another config, script, argument list or rank count: measure it afresh
         logger.info("reusing the result of experiment %s (overwrite is off)", exp["name"])
         if old["status"] == "failed":
             return ExperimentResult(old, error=old.get("error") or "failed")
@@ -167,6 +167,7 @@ class ResourceManager:
 
     def _launch(self, exp: dict) -> ExperimentResult:
         exp = self._prepare(exp)
+        exp["job"] = self.job_key(exp)
         result_dir = exp["result_dir"]
         os.makedirs(result_dir, exist_ok=True)
         for stale in (exp["output_file"],):
@@ -177,8 +178,7 @@ class ResourceManager:
         exp["ds_config_path"] = config_path
         cmd = self.command(exp, config_path)
         exp["cmd"] = cmd
-        with open(os.path.join(result_dir, CMD_FILE), "w", encoding="utf-8") as handle:
-            handle.write(shlex.join(cmd) + "\n")
+        write_text(os.path.join(result_dir, CMD_FILE), shlex.join(cmd) + "\n")
         exp["status"] = "running"
         _write_json(os.path.join(result_dir, EXP_FILE), exp)
         logger.info("launching experiment %d: %s", exp["exp_id"], exp["name"])
@@ -212,6 +212,11 @@ class ResourceManager:
         if rc != 0:
             return rc, f"exit code {rc}: {last_error_line(os.path.join(result_dir, STDERR_FILE))}"
         return rc, None
+
+    def job_key(self, exp: dict) -> dict:
+        """What besides the config decides a measurement: script, its arguments (config path masked) and ranks."""
+        return {"user_script": self.args.user_script, "user_args": self.user_args(exp[DS_CONFIG], "<config>"),
+                "num_gpus": exp["num_gpus"], "num_nodes": exp["num_nodes"]}
 
     # ---- the command ----------------------------------------------------------------------------------
     def command(self, exp: dict, config_path: str) -> list[str]:
@@ -320,15 +325,19 @@ def _without_paths(ds_config: dict | None) -> dict | None:
     return out
 
 
-def _write_json(path: str, data: Any) -> None:
-    """Atomic write: a temporary name, fsync, rename."""
+def write_text(path: str, text: str) -> None:
+    """Atomic write (GUIDE 9): a temporary name, fsync, rename; a reader never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=False)
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def _write_json(path: str, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2))
 
 
 def _read_json(path: str) -> dict | None:

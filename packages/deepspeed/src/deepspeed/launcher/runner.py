@@ -106,7 +106,9 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     _add_elastic_args(parser)
     parser.add_argument("--autotuning", default="", choices=["tune", "run"], type=str,
                         help="run the DeepSpeed Autotuner on the script's --deepspeed_config first: 'tune' writes "
-                             "the optimal config and stops, 'run' then launches the job with it")
+                             "the optimal config and stops, 'run' then launches the job with it; each experiment "
+                             "may run DS_AUTOTUNING_EXP_TIMEOUT seconds (environment variable, default 1800) "
+                             "before it is killed and recorded as failed")
     parser.add_argument("user_script", type=str, help="the training script (or module, or program)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
     return parser.parse_args(args)
