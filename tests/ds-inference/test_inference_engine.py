@@ -134,7 +134,7 @@ def test_config_and_kwargs_merge_unless_they_disagree(in_config, in_kwargs, conf
 def test_default_inference_config_and_default_dtype():
     defaults = default_inference_config()
     assert defaults["max_out_tokens"] == 1024 and defaults["tensor_parallel"]["tp_size"] == 1
-    assert defaults["dtype"] == "fp16"
+    assert defaults["dtype"] is torch.float16  # DeepSpeed documents the field as torch.dtype = torch.float16
     engine = init_inference(tiny_llama())  # documented default dtype: torch.float16
     assert next(engine.module.parameters()).dtype == torch.float16
 

@@ -18,6 +18,17 @@ class DtypeEnum(str, Enum):
     bf16 = "bf16"
     int8 = "int8"
 
+    def __eq__(self, other: object) -> bool:
+        # DeepSpeed scripts compare ``config.dtype == torch.half``: a torch.dtype equals its member
+        if type(other).__module__ == "torch" and type(other).__name__ == "dtype":
+            return str(other) == f"torch.{self.torch_name}"
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = str.__hash__
+
     @property
     def torch_name(self) -> str:
         """Name of the matching ``torch.dtype`` attribute (``getattr(torch, d.torch_name)``)."""

@@ -1,4 +1,9 @@
-"""Merge ``init_inference``'s ``config`` (dict or JSON path) with its keyword arguments into the typed config."""
+"""Merge ``init_inference``'s ``config`` (dict or JSON path) with its keyword arguments into the typed config.
+
+``InferenceConfig`` is the engine's view of ``DeepSpeedInferenceConfig``: the same fields, but ``dtype`` is a
+``torch.dtype`` (as DeepSpeed documents it: scripts test ``engine._config.dtype == torch.half``); ds_config keeps
+a string enum there because it must not import torch.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,32 @@ import json
 import os
 from typing import Any
 
+import torch
+from pydantic import field_validator
+
 from ds_config import ConfigError, validate_section
 from ds_config.inference import DeepSpeedInferenceConfig, DtypeEnum
+
+
+class InferenceConfig(DeepSpeedInferenceConfig):
+    """``DeepSpeedInferenceConfig`` with ``dtype`` as a ``torch.dtype`` (default ``torch.float16``)."""
+
+    dtype: Any = torch.float16
+    """Model data type: torch.float16, torch.bfloat16, torch.float32 or torch.int8 (any DtypeEnum spelling)."""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> torch.dtype:  # same name: replaces the string-enum validator
+        return getattr(torch, DtypeEnum.parse(value).torch_name)
+
+    @classmethod
+    def of(cls, config: DeepSpeedInferenceConfig) -> InferenceConfig:
+        """The engine view of an already validated config (no re-validation, no repeated warnings)."""
+        if isinstance(config, cls):
+            return config
+        values = {name: getattr(config, name) for name in DeepSpeedInferenceConfig.model_fields}
+        values["dtype"] = cls._dtype(config.dtype)
+        return cls.model_construct(_fields_set=set(config.model_fields_set), **values)
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
@@ -57,7 +86,7 @@ def _field_names() -> dict[str, str]:
     return out
 
 
-def build_config(config: Any = None, **kwargs: Any) -> DeepSpeedInferenceConfig:
+def build_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     """The typed config from ``config`` and ``kwargs``; a key given in both with different values is an error
     (also when the two use different spellings of it, e.g. ``max_tokens`` and ``max_out_tokens``)."""
     data = _read(config)
@@ -71,9 +100,10 @@ def build_config(config: Any = None, **kwargs: Any) -> DeepSpeedInferenceConfig:
                                   f"{kwargs[key]!r}; give it once, or the same value in both", path=key)
             del data[other]  # the same value twice: keep the keyword argument's spelling
     data.update(kwargs)
-    return validate_section(DeepSpeedInferenceConfig, data)
+    return validate_section(InferenceConfig, data)
 
 
 def default_inference_config() -> dict[str, Any]:
-    """The default inference configuration as a dictionary (every documented field at its default)."""
-    return DeepSpeedInferenceConfig().model_dump()
+    """The default inference configuration as a dictionary (every documented field at its default; ``dtype`` is
+    ``torch.float16``, as in DeepSpeed)."""
+    return InferenceConfig().model_dump()

@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,8 +176,24 @@ def _assemble(key: str, shards: list[torch.Tensor], shape: torch.Size, layout: d
     return torch.cat(shards, dim=differ[0])
 
 
-def read_full_state_dict(desc: CheckpointDescription, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.state_dict()`` at full size, put together from the checkpoint's shards."""
+def _warn_unexpected(keys: set[str], where: list[str]) -> None:
+    """A checkpoint tensor the model has no place for is dropped; say which (as load_state_dict(strict=False)
+    reports ``unexpected_keys``), since it usually means a different model or a renamed module."""
+    if not keys:
+        return
+    shown = ", ".join(repr(k) for k in sorted(keys)[:5])
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    warnings.warn(f"checkpoint: {len(keys)} tensor(s) the model does not have were ignored (unexpected keys: "
+                  f"{shown}{more}; files: {where})", UserWarning, stacklevel=4)
+
+
+def read_full_state_dict(desc: CheckpointDescription, model: nn.Module, aliases: dict[str, str] | None = None,
+                         known: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.state_dict()`` at full size, put together from the checkpoint's shards.
+
+    ``aliases`` maps a model key to the checkpoint key it is read from (expert-parallel experts use the global
+    numbering); checkpoint keys that are neither the model's, aliased, nor in ``known`` are warned about."""
+    aliases = aliases or {}
     expected = model.state_dict()
     common: dict[str, torch.Tensor] = {}
     for path in desc.non_tp_files:
@@ -189,15 +206,19 @@ def read_full_state_dict(desc: CheckpointDescription, model: nn.Module) -> dict[
         ranks.append(state)
     full = {}
     for key, target in expected.items():
-        if key in common:
-            full[key] = common[key]
+        source = aliases.get(key, key)
+        if source in common:
+            full[key] = common[source]
             continue
-        shards = [state[key] for state in ranks if key in state]
+        shards = [state[source] for state in ranks if source in state]
         if not shards:
-            raise ValueError(f"checkpoint: no file holds {key!r} (files: {desc.non_tp_files + desc.tp_files})")
+            raise ValueError(f"checkpoint: no file holds {source!r} (files: {desc.non_tp_files + desc.tp_files})")
         if len(shards) != len(ranks):
-            raise ValueError(f"checkpoint: {key!r} is in {len(shards)} of the {len(ranks)} ranks' files")
-        full[key] = _assemble(key, shards, target.shape, desc.layouts.get(key))
+            raise ValueError(f"checkpoint: {source!r} is in {len(shards)} of the {len(ranks)} ranks' files")
+        full[key] = _assemble(source, shards, target.shape, desc.layouts.get(source))
+    present = set(common).union(*ranks)
+    _warn_unexpected(present - set(expected) - set(aliases.values()) - set(known),
+                     desc.non_tp_files + desc.tp_files)
     return full
 
 

@@ -1,10 +1,12 @@
 """``InferenceEngine``: the module ``init_inference`` returns (DeepSpeed's ``deepspeed.inference.engine``).
 
-Set-up order: check the options this build runs on the plain torch path, materialise empty (meta) parameters,
-load a checkpoint (full tensors, re-assembled from any tensor-parallel size), shard with AutoTP, save the
+Set-up order: check the options this build runs on the plain torch path, create the expert-parallel groups of
+DeepSpeed MoE layers (``moe`` section), materialise empty (meta) parameters, load a checkpoint (full tensors,
+re-assembled from any tensor-parallel size; experts by their global index), shard with AutoTP, save the
 re-sharded checkpoint if asked, convert the dtype (int8: weight-only quantization of Linear and embedding
 weights), move to the accelerator. ``forward`` runs the module (replaying a CUDA graph when asked on a GPU);
-``generate`` is the wrapped model's own ``generate`` with the ``max_tokens`` budget checked first.
+``generate`` is the wrapped model's own ``generate`` with beam search refused (as DeepSpeed) and the
+``max_tokens`` budget checked first.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_config.inference import DeepSpeedInferenceConfig, DtypeEnum
-from ds_inference._config import build_config
+from ds_config.inference import DeepSpeedInferenceConfig
+from ds_inference._config import InferenceConfig, build_config
 from ds_inference._cuda_graph import CudaGraphRunner
+from ds_inference._moe import expert_checkpoint_keys, setup_expert_parallel
 from ds_inference._tp import shard_model, tensor_parallel_group
 from ds_inference.checkpoint import describe_checkpoint, read_full_state_dict, save_tp_checkpoint
 from ds_inference.quantization import quantize_weights
 
-__all__ = ["InferenceEngine", "TokenLimitError"]
+__all__ = ["BeamSearchError", "InferenceEngine", "TokenLimitError"]
 
 _WARNED: set[str] = set()
 
@@ -31,6 +34,12 @@ class TokenLimitError(ValueError, RuntimeError):
     """``generate`` was asked for more tokens (input + new) than ``max_tokens`` allows.
 
     A ``RuntimeError`` as well, which is what DeepSpeed raises for this."""
+
+
+class BeamSearchError(NotImplementedError, ValueError):
+    """``generate`` was asked for beam search (``num_beams > 1``), which DeepSpeed inference refuses.
+
+    A ``NotImplementedError``, as DeepSpeed raises, and a ``ValueError`` (a bad argument value)."""
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -92,7 +101,7 @@ class InferenceEngine(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        config = config if isinstance(config, DeepSpeedInferenceConfig) else build_config(config)
+        config = InferenceConfig.of(config) if isinstance(config, DeepSpeedInferenceConfig) else build_config(config)
         if config.replace_with_kernel_inject and config.injection_policy:
             raise ValueError("injection_policy and replace_with_kernel_inject (kernel_inject) exclude each other: "
                              "give one of them")
@@ -100,6 +109,7 @@ class InferenceEngine(nn.Module):
         self.mp_group = tensor_parallel_group(config.tensor_parallel)
         use_graph = _plain_path_notices(config, self.mp_group is not None)
         self.module = model
+        self._experts = setup_expert_parallel(model, config, self.mp_group is not None)
         # as DeepSpeed: the model's own (HF) config, or the inference config's ``config``/``args`` dict;
         # pipelines read ``engine.config`` when the engine replaces their model
         self.config = config.config if config.config is not None else getattr(model, "config", None)
@@ -133,7 +143,8 @@ class InferenceEngine(nn.Module):
             return
         desc = describe_checkpoint(source, cfg.base_dir or cfg.checkpoint_config.base_dir or "",
                                    cfg.training_mp_size)
-        state = read_full_state_dict(desc, self.module)
+        aliases, known = expert_checkpoint_keys(self._experts, list(self.module.state_dict()))
+        state = read_full_state_dict(desc, self.module, aliases, known)
         self.module.load_state_dict(state, strict=True)
 
     def _save_checkpoint(self) -> None:
@@ -149,7 +160,7 @@ class InferenceEngine(nn.Module):
 
     def _convert_dtype(self) -> list[str]:
         cfg = self._config
-        if cfg.dtype is DtypeEnum.int8:
+        if cfg.dtype == torch.int8:
             weight = cfg.quant.weight
             off = [key for key, on in (("quant.enabled", cfg.quant.enabled), ("quant.weight.enabled", weight.enabled))
                    if not on]
@@ -157,7 +168,7 @@ class InferenceEngine(nn.Module):
                 raise ValueError(f"dtype=int8 is weight-only int8 quantization, but {' and '.join(off)} = False; "
                                  "set it to True or pick a float dtype (fp16, bf16, fp32)")
             return quantize_weights(self.module, weight.num_bits, weight.q_groups, weight.q_type)
-        self.module.to(getattr(torch, cfg.dtype.torch_name))
+        self.module.to(cfg.dtype)
         return []
 
     # -- running ---------------------------------------------------------------------------------------------
@@ -185,8 +196,21 @@ class InferenceEngine(nn.Module):
                 f"more than max_tokens (max_out_tokens) = {limit}; raise max_tokens in the inference config or "
                 "ask for fewer tokens")
 
+    @staticmethod
+    def _greedy_or_sampling(kwargs: dict[str, Any]) -> None:
+        # as DeepSpeed: num_beams from a generation_config argument, overridden by a num_beams argument
+        beams, source = 1, None
+        if "generation_config" in kwargs:
+            beams, source = getattr(kwargs["generation_config"], "num_beams", 1), "generation_config.num_beams"
+        if "num_beams" in kwargs:
+            beams, source = kwargs["num_beams"], "num_beams"
+        if beams is not None and beams > 1:
+            raise BeamSearchError(f"generate: {source}={beams} asks for beam search, which DeepSpeed inference does "
+                                  "not support; accepted: num_beams=1 (greedy decoding or sampling)")
+
     def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The wrapped model's ``generate``, after checking the ``max_tokens`` budget."""
+        """The wrapped model's ``generate``, after refusing beam search and checking the ``max_tokens`` budget."""
+        self._greedy_or_sampling(kwargs)
         self._token_budget(inputs, kwargs)
         if hasattr(self.module, "reset_cache"):
             self.module.reset_cache()
