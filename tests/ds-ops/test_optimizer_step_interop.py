@@ -80,3 +80,33 @@ def test_adagrad_and_lion_cross_load():
     for e, r in zip(expected, resumed, strict=True):
         torch.testing.assert_close(r, e, rtol=1e-5, atol=1e-6)
     assert all(isinstance(s["step"], int) for s in b.state.values())  # FusedLion counts in ints
+
+
+@pytest.mark.parametrize("torch_kwargs", [{}, {"foreach": True}], ids=["default", "foreach"])
+def test_cpu_adagrad_state_dict_loads_into_torch_adagrad(torch_kwargs):
+    """DeepSpeed's Adagrad groups carry torch's keys (lr_decay, initial_accumulator_value, ...): torch's Adagrad
+    reads them in its step, so the cross-load continues the run exactly, both ways."""
+    group = DeepSpeedCPUAdagrad(_params(), lr=0.1).param_groups[0]
+    torch_group = torch.optim.Adagrad(_params(), lr=0.1).param_groups[0]
+    assert set(torch_group) <= set(group), set(torch_group) - set(group)
+    assert group["lr_decay"] == 0 and group["initial_accumulator_value"] == 0 and group["maximize"] is False
+    expected, resumed, b = _pair(lambda ps: DeepSpeedCPUAdagrad(ps, lr=0.1, weight_decay=0.01),
+                                 lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.01, **torch_kwargs))
+    for e, r in zip(expected, resumed, strict=True):
+        torch.testing.assert_close(r, e, rtol=1e-5, atol=1e-6)
+    assert [float(s["step"]) for s in b.state.values()] == [5.0, 5.0]
+    expected, resumed, _ = _pair(lambda ps: torch.optim.Adagrad(ps, lr=0.1, **torch_kwargs),
+                                 lambda ps: DeepSpeedCPUAdagrad(ps, lr=0.1))
+    for e, r in zip(expected, resumed, strict=True):
+        torch.testing.assert_close(r, e, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_adagrad_refuses_torch_options_it_does_not_compute():
+    params = _params()
+    saved = torch.optim.Adagrad(params, lr=0.1, lr_decay=0.5).state_dict()
+    opt = DeepSpeedCPUAdagrad(params, lr=0.1)
+    opt.load_state_dict(saved)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"lr_decay=0.5 is not supported; expected 0"):
+        opt.step()

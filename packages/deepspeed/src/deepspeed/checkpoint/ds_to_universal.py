@@ -21,7 +21,9 @@ the worker counts are accepted and ignored; every file is written atomically. St
 DeepSpeed. ``strict`` (default; ``--no_strict`` turns it off) checks every converted parameter's files at the end.
 Pipeline-parallel checkpoints (ZeRO-1/2 with several stages: ``mp_rank_SS`` files whose model states hold
 ``pipeline_parts``) are converted stage by stage into one ``zero/`` folder by global parameter name (tied
-parameters once), and the layer files are copied; tensor-parallel checkpoints are not supported.
+parameters once), and the layer files are copied. AutoTP checkpoints (``tensor_parallel.autotp_size``, ZeRO
+stage 0/1/2) are put back together from their tensor-parallel shards (``_autotp_universal``); other
+tensor-parallel layouts are not supported.
 """
 
 from __future__ import annotations
@@ -207,10 +209,18 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
         raise UniversalConversionError(f"input folder {input_folder!r} does not exist")
     if not _mp_ranks(input_folder) and _is_stage0_pipeline(input_folder):
         return _convert_stage0_pipeline(input_folder, output_folder, strict)
+    if not _mp_ranks(input_folder) and _autotp_size(input_folder) > 1:  # AutoTP without ZeRO
+        from deepspeed.checkpoint._autotp_universal import convert_autotp_stage0
+
+        return convert_autotp_stage0(input_folder, output_folder, strict)
     mp_ranks = _mp_ranks(input_folder) or [0]
     if mp_ranks != list(range(len(mp_ranks))):
         raise UniversalConversionError(f"{input_folder}: optimizer files of model-parallel ranks {mp_ranks}; ranks "
                                        f"{sorted(set(range(max(mp_ranks) + 1)) - set(mp_ranks))} are missing")
+    if len(mp_ranks) > 1 and _autotp_size(input_folder) > 1:  # tensor-parallel shards put back together
+        from deepspeed.checkpoint._autotp_universal import convert_autotp
+
+        return convert_autotp(input_folder, output_folder, mp_ranks, inject_missing_state, strict)
     zero_dir = os.path.join(output_folder, ZERO_FOLDER)
     make_dirs(zero_dir)
     written: set[str] = set()
@@ -239,6 +249,15 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
     return output_folder
 
 
+def _autotp_size(tag_dir: str) -> int:
+    """``autotp_size`` of the checkpoint's first model-states file (1: not an AutoTP checkpoint)."""
+    from deepspeed.checkpoint._autotp_universal import autotp_size_of
+    from ds_zero import zero_to_fp32 as z
+
+    path = os.path.join(tag_dir, _model_states_name(0))
+    return autotp_size_of(z._load(path)) if os.path.isfile(path) else 1
+
+
 def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_rank: int, mp_world: int,
                      inject_missing_state: bool, written: set[str]
                      ) -> tuple[dict[str, Any], list[str], list[Mapping[str, Any]], list[str]]:
@@ -252,7 +271,8 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
     if mp_world > 1 and (stage == 3 or main_state.get("pipeline_parts") is None):
         raise UniversalConversionError(f"{input_folder}: a checkpoint of {mp_world} model-parallel ranks; only "
                                        "pipeline-parallel ones (ZeRO stage 0/1/2, files holding pipeline_parts) "
-                                       "can be converted, not tensor-parallel ones")
+                                       "and AutoTP ones (tensor_parallel.autotp_size, ZeRO stage 0/1/2) can be "
+                                       "converted, not other tensor-parallel layouts")
     if stage <= 2:
         _check_required_state(main_state, inject_missing_state, model_files[0])
     shapes = z._param_groups(main_state, model_files[0])

@@ -4,7 +4,9 @@ The tag comes from ``<load_dir>/latest_universal`` (written by ``ds_to_universal
 folder must hold ``zero/`` (one folder per parameter). The model-states file is this rank's own ZeRO-3 file when
 present, else ``mp_rank_XX_model_states.pt``, else rank 0's ZeRO-3 file, so a checkpoint converted from any stage
 loads under any stage. Each ``CheckpointShards`` extension restores its partitions with ``load_universal(ctx,
-load)`` (ds-zero's shard classes), reading only the parameters it holds.
+load)`` (ds-zero's shard classes), reading only the parameters it holds; without ZeRO the optimizer's state is
+rebuilt from the ``zero/`` folders by parameter name (:func:`load_stage0_universal`). An AutoTP rank of a larger
+TP size than the converted checkpoint's reads ``mp_rank_00`` (full weights) and cuts its shards.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from deepspeed.runtime.checkpointing._errors import CheckpointError
 from deepspeed.runtime.checkpointing._layout import model_states_name, validate_tag
+from deepspeed.runtime.checkpointing._tp_resize import fallback_model_states_path
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_FOLDER = "zero"
@@ -50,7 +53,8 @@ def universal_model_states_path(state: Any, tag_dir: str, per_rank: Callable[[in
     for name in candidates:
         if os.path.isfile(os.path.join(tag_dir, name)):
             return os.path.join(tag_dir, name)
-    return os.path.join(tag_dir, candidates[-1])
+    # an AutoTP rank of a larger TP size than the converted checkpoint's: mp_rank_00 holds the full weights
+    return fallback_model_states_path(state, tag_dir, os.path.join(tag_dir, candidates[-1]))
 
 
 def load_universal_shard(shard: Any, ctx: Any, load: Callable[[str], Any]) -> None:
@@ -59,3 +63,13 @@ def load_universal_shard(shard: Any, ctx: Any, load: Callable[[str], Any]) -> No
         raise CheckpointError(f"{type(shard).__name__} cannot restore its state from the Universal Checkpoint "
                               f"{ctx.tag_dir}; load a checkpoint saved with the same parallel layout instead")
     restore(ctx, load)
+
+
+def load_stage0_universal(state: Any, ctx: Any, load: Callable[[str], Any]) -> None:
+    """Without ZeRO (an ``FP32Optimizer`` wrapper): the optimizer's state from the ``zero/<name>/`` folders of its
+    parameters (by name, so any tensor-parallel size: ``load`` cuts AutoTP shards); ZeRO restores its own."""
+    from deepspeed.checkpoint._autotp_universal import load_stage0_optimizer, stage0_optimizer
+
+    found = stage0_optimizer(state.optimizer, state.module)
+    if found is not None:
+        load_stage0_optimizer(*found, ctx, load)

@@ -6,18 +6,24 @@ groups a data-parallel group (data parallel = world / autotp_size); they are reg
 the tensor group, replicated parameters counted once) all see them. Layer rules, by priority:
 ``partition_config`` > the model's Hugging Face ``base_model_tp_plan`` > ``preset_model`` / AutoTP heuristics.
 Checkpoints keep full (gathered) weights in the model states, so they load into a model without TP or at
-another TP size (the weights; optimizer states only at the saved size).
+another TP size (the weights; optimizer states by a plain load only at the saved size). The model states also
+record each sharded parameter's layout (``autotp_layouts``), so ``ds_to_universal`` puts values and optimizer
+moments back together and a Universal Checkpoint resumes at any TP size (:meth:`AutoTPCheckpointShards.
+universal_reader` cuts each rank's shard at load).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deepspeed.checkpoint._autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES, stage0_optimizer
 from ds_config import ConfigError, ConfigProblem
 from ds_inference.autotp import (
     AutoTPPresets,
@@ -225,17 +231,56 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
 class AutoTPCheckpointShards:
     """Checkpoint extension: the model states hold full weights (gathered over the tensor group at save, each
     rank's shard cut out again at load), so ``mp_rank_00_model_states.pt`` loads into a model without TP, and the
-    weights load at another ``autotp_size`` (optimizer states only at the saved one: ``checkpointing._tp_resize``)."""
+    weights load at another ``autotp_size`` (optimizer states only at the saved one: ``checkpointing._tp_resize``;
+    at any size through a Universal Checkpoint). ``engine`` (held weakly) names a ZeRO-0 optimizer's parameters
+    (``autotp_param_names``) for ``ds_to_universal``."""
 
     owns_optimizer_state = False
     owns_module_state = False
 
-    def __init__(self, module: torch.nn.Module, tp_size: int) -> None:
+    def __init__(self, module: torch.nn.Module, tp_size: int, engine: Any = None) -> None:
         self.module, self.tp_size = module, tp_size
         self.autotp_size = tp_size  # read by the checkpoint loader: loads across TP sizes (see _tp_resize)
+        self._engine = weakref.ref(engine) if engine is not None else (lambda: None)  # no engine kept alive
+
+    def _stage0_optimizer(self) -> tuple[Any, list[torch.nn.Parameter], list[str]] | None:
+        return stage0_optimizer(getattr(self._engine(), "optimizer", None), self.module)
 
     def model_state_extras(self) -> dict[str, Any]:
-        return {"autotp_size": self.tp_size}
+        extras = {"autotp_size": self.tp_size, AUTOTP_LAYOUTS: autotp_layouts(self.module)}
+        stage0 = self._stage0_optimizer()
+        if stage0 is not None:  # ds_to_universal finds each parameter's moments by these names
+            extras[AUTOTP_PARAM_NAMES] = stage0[2]
+        return extras
+
+    def universal_reader(self, load: Callable[[str], Any]) -> Callable[[str], Any]:
+        """``load`` for a Universal Checkpoint: ``zero/<name>/<key>.pt`` of a sharded parameter (the full fp32
+        value or moment) comes back as this rank's shard, cut with the parameter's own layout (fused QKV and
+        gate/up pieces included), so ZeRO's universal load fills the shard's partitions and moments."""
+        sharded = {f"{name}.{pname}": (layer._tp_layouts[pname], layer.tp_index, dim)
+                   for name, layer in tp_layers(self.module).items()
+                   for pname, dim in layer.partition_dims().items() if dim is not None}
+
+        def read(rel: str) -> Any:
+            obj = load(rel)
+            parts = os.path.normpath(rel).split(os.sep)
+            name = os.sep.join(parts[1:-1]) if len(parts) >= 3 and parts[0] == "zero" else None
+            if name not in sharded or parts[-1] == "step.pt":
+                return obj
+            layout, index, dim = sharded[name]
+            full = obj.get("param") if isinstance(obj, dict) else obj
+            if not isinstance(full, torch.Tensor) or full.dim() <= dim or full.shape[dim] != layout.full:
+                return obj  # not a full value (read_universal names the mismatch)
+            shard = layout.take(full, index, dim)
+            return {**obj, "param": shard} if isinstance(obj, dict) else shard
+
+        return read
+
+    def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        """Nothing of its own: the weights come from the model states (cut by :meth:`complete_module_state`), the
+        fp32 values and moments through ZeRO's universal load (ZeRO 1/2) or the loader's ZeRO-0 one, both reading
+        through :meth:`universal_reader`."""
+        return None
 
     def strip_module_state(self, weights: dict[str, Any]) -> dict[str, Any]:
         weights = dict(weights)
@@ -261,6 +306,20 @@ class AutoTPCheckpointShards:
         return None
 
 
+def autotp_layouts(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """``{parameter name: {"dim", "full", "pieces"}}`` of every sharded parameter: the split dimension, its full
+    length and, per tensor-parallel rank, the ``(start, length)`` ranges of the full dimension the rank holds
+    (several for fused QKV / gate-up). Plain ints and lists, so a weights-only load reads them."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, layer in tp_layers(module).items():
+        for pname, dim in layer.partition_dims().items():
+            if dim is not None:
+                layout: ShardLayout = layer._tp_layouts[pname]
+                out[f"{name}.{pname}"] = {"dim": int(dim), "full": int(layout.full),
+                                          "pieces": [[[int(s), int(n)] for s, n in rank] for rank in layout.pieces]}
+    return out
+
+
 def full_module_state(module: torch.nn.Module) -> dict[str, Any] | None:
     """The module's state dict with full (gathered) weights when it has AutoTP layers, else None (collective)."""
     return full_state_dict(module) if tp_layers(module) else None
@@ -271,4 +330,4 @@ def checkpoint_shards(engine: Any) -> tuple[Any, ...]:
     shards = tuple(getattr(engine, "checkpoint_shards", ()))
     if not tp_layers(engine.module):
         return shards
-    return (*shards, AutoTPCheckpointShards(engine.module, engine.mp_world_size))
+    return (*shards, AutoTPCheckpointShards(engine.module, engine.mp_world_size, engine))

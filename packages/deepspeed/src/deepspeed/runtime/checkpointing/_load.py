@@ -50,7 +50,8 @@ def _load_module(state: EngineState, weights: dict[str, Any], strict: bool, cust
 
 def _restore_training_state(state: EngineState, checkpoint: dict[str, Any], load_optimizer_states: bool,
                             load_lr_scheduler_states: bool, path: str) -> None:
-    if load_optimizer_states and state.optimizer is not None and not state.optimizer_in_shards():
+    universal = state.checkpoint_config.load_universal  # ZeRO-0's optimizer then comes from zero/ (_restore)
+    if load_optimizer_states and state.optimizer is not None and not state.optimizer_in_shards() and not universal:
         if checkpoint.get("optimizer") is None:
             logger.warning(f"{path} holds no optimizer state; the optimizer keeps its current state")
         else:
@@ -150,7 +151,8 @@ def _restore(state: EngineState, path: str, tag_dir: str, load_module_strict: bo
         return load_file(os.path.join(tag_dir, name), trusted=state.trusted_load)
 
     checkpoint = _read_model_states(state, path)
-    check_tp_resize(state, checkpoint, path, load_optimizer_states, load_module_only)  # before any state changes
+    if not state.checkpoint_config.load_universal:  # a universal checkpoint loads at any tensor-parallel size
+        check_tp_resize(state, checkpoint, path, load_optimizer_states, load_module_only)  # before any change
     if not state.module_in_shards():
         weights = checkpoint["module"]
         for shard in state.shards:  # weights kept in the extension's own files (MoE experts) join the rest
@@ -165,6 +167,11 @@ def _restore(state: EngineState, path: str, tag_dir: str, load_module_strict: bo
     ctx = ShardContext(tag_dir=tag_dir, parallel=state.parallel, config=state.checkpoint_config,
                        load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
                        load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
+    if ctx.config.load_universal:  # AutoTP: full universal values read back as this rank's shards
+        for shard in state.shards:
+            load = getattr(shard, "universal_reader", lambda inner: inner)(load)
+        if load_optimizer_states and not load_module_only:
+            uc.load_stage0_universal(state, ctx, load)
     for shard in state.shards:
         if ctx.config.load_universal:
             uc.load_universal_shard(shard, ctx, load)

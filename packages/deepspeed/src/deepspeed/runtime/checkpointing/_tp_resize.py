@@ -5,11 +5,12 @@ AutoTP's model-states files hold the full (gathered) weights, one file per tenso
 tensor-parallel size: a rank whose own file is absent (TP 1 -> 2) reads ``mp_rank_00``, and each rank cuts its
 shard out (``complete_module_state`` of the AutoTP extension), as on a same-size load.
 
-Optimizer states are not re-sharded: the ZeRO-1/2 flat partitions interleave parameters of both TP layouts, and
-cutting a TP-sharded parameter's moments back into full ones needs the saved model's sub-parameter layouts,
-which a model at the new size does not have. Asking for them raises before anything is loaded (a partial,
-silently wrong optimizer state is the failure to avoid); ``ds_to_universal`` does not convert tensor-parallel
-checkpoints either, so ``load_optimizer_states=False`` (or ``load_module_only=True``) is the way across.
+Optimizer states are not re-sharded on a plain load: the ZeRO flat partitions interleave parameters of both TP
+layouts, and asking for them raises before anything is loaded (a partial, silently wrong optimizer state is the
+failure to avoid). The way across with the optimizer is DeepSpeed's documented one, a Universal Checkpoint:
+``ds_to_universal`` puts each parameter's fp32 value and moments back together from the TP shards (with the
+layouts saved under ``autotp_layouts``; ZeRO stage 1/2) and ``checkpoint.load_universal`` cuts each rank's shard
+at any TP size. ``load_optimizer_states=False`` (or ``load_module_only=True``) carries the weights alone.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def check_tp_resize(state: EngineState, checkpoint: dict[str, Any], path: str, l
         return  # no optimizer state to carry over: the weights, schedule and counters load
     raise CheckpointError(
         f"{path}: saved with tensor_parallel.autotp_size={saved}, loading with autotp_size={current}; optimizer "
-        "states are not re-sharded across tensor-parallel sizes (nothing was loaded). Accepted: "
-        f"load_checkpoint(..., load_optimizer_states=False) or load_module_only=True to load the weights (and with "
-        f"the former the LR schedule and counters) at the new size, or autotp_size={saved} to resume exactly")
+        "states are not re-sharded by a plain load across tensor-parallel sizes (nothing was loaded). To resume "
+        "exactly at the new size, convert the tag folder with `ds_to_universal --input_folder <tag folder> "
+        "--output_folder <new folder> --inject_missing_state` (ZeRO stage 1/2) and load it with "
+        '"checkpoint": {"load_universal": true}. Also accepted: load_checkpoint(..., load_optimizer_states=False) '
+        "or load_module_only=True to load the weights (and with the former the LR schedule and counters) at the "
+        f"new size, or autotp_size={saved}")

@@ -1,0 +1,229 @@
+"""``ds_to_universal`` for AutoTP training checkpoints (``tensor_parallel.autotp_size`` > 1, ZeRO stage 1/2).
+
+Each tensor-parallel rank ``t`` wrote ``zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt`` (the ZeRO partitions of
+its shards: fp32 values and Adam moments) and ``mp_rank_<t>_model_states.pt`` (full weights, the shard shapes in
+``param_shapes`` and, under ``autotp_layouts``, how every sharded parameter was cut). A parameter's full fp32
+value and each moment are put back together from the ranks' shards with that layout: rank ``t``'s shard is the
+concatenation, along the split dimension, of its ``(start, length)`` pieces of the full dimension (one piece per
+fused sub-parameter, e.g. Q, K and V), so the pieces go back to those ranges. Replicated parameters (norms,
+biases of row-parallel layers) are the same on every rank and are taken from rank 0. The output is the ordinary
+universal layout (``zero/<name>/fp32.pt`` of the full shape), which loads at any ``autotp_size`` (each rank cuts
+its shard at load) or without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+AUTOTP_SIZE = "autotp_size"
+AUTOTP_LAYOUTS = "autotp_layouts"
+ZERO = "zero"  # the universal folder of per-parameter files
+
+
+def autotp_size_of(model_state: Mapping[str, Any]) -> int:
+    """The AutoTP size a model-states file was written with (1: none)."""
+    return int(model_state.get(AUTOTP_SIZE) or 1)
+
+
+def assemble(shards: Sequence[torch.Tensor], layout: Mapping[str, Any] | None) -> torch.Tensor:
+    """The full tensor from the tensor-parallel ranks' ``shards`` (``layout`` None: replicated, rank 0's)."""
+    if layout is None:
+        return shards[0].detach().float().clone()
+    dim, pieces = int(layout["dim"]), layout["pieces"]
+    if len(pieces) != len(shards):
+        raise ValueError(f"the layout cuts {len(pieces)} shards, the checkpoint has {len(shards)}")
+    shape = list(shards[0].shape)
+    shape[dim] = int(layout["full"])
+    full = torch.empty(shape, dtype=torch.float32)
+    for shard, ranges in zip(shards, pieces, strict=True):
+        cursor = 0
+        for start, length in ranges:
+            full.narrow(dim, int(start), int(length)).copy_(shard.narrow(dim, cursor, int(length)))
+            cursor += int(length)
+        if cursor != shard.shape[dim]:
+            raise ValueError(f"a shard of {shard.shape[dim]} entries along dim {dim}, its layout covers {cursor}")
+    return full
+
+
+def convert_autotp(input_folder: str, output_folder: str, mp_ranks: list[int], inject_missing_state: bool,
+                   strict: bool) -> str:
+    """Convert an AutoTP ZeRO-1/2 tag folder written by ``len(mp_ranks)`` tensor-parallel ranks."""
+    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint.universal import ZERO_FOLDER
+    from deepspeed.runtime.checkpointing._atomic import make_dirs
+    from ds_zero import zero_to_fp32 as z
+
+    per_rank, model_files = [], []
+    for mp_rank in mp_ranks:
+        stage, world, sections, paths = du._rank_sections(input_folder, mp_rank)
+        files = du._model_state_files(input_folder, stage, mp_rank)
+        state = z._load(files[0])
+        du._check_required_state(state, inject_missing_state, files[0])
+        shapes = z._param_groups(state, files[0])
+        lazy, steps = du._lazy_states(stage, world, sections, paths, shapes, files[0])
+        per_rank.append((state, shapes, lazy, steps, sections[0]))
+        model_files += files
+    main, shapes, lazy0, steps, section = per_rank[0]
+    layouts = main.get(AUTOTP_LAYOUTS)
+    if layouts is None:
+        raise du.UniversalConversionError(
+            f"{input_folder}: an AutoTP checkpoint (autotp_size={autotp_size_of(main)}) without '{AUTOTP_LAYOUTS}' "
+            "in its model states (saved by an older version), so the shards cannot be put back together; load it at "
+            "its own autotp_size and save it again")
+    names = [name for group in shapes for name in group]
+    for mp_rank, (_, other, _, _, _) in zip(mp_ranks, per_rank, strict=True):
+        if [n for g in other for n in g] != names:
+            raise du.UniversalConversionError(f"{input_folder}: tensor-parallel rank {mp_rank} trained other "
+                                              "parameters than rank 0; not one AutoTP model")
+    zero_dir = os.path.join(output_folder, ZERO_FOLDER)
+    make_dirs(zero_dir)
+    group_of = {name: g for g, group in enumerate(shapes) for name in group}
+    module = main.get("module") or {}
+    print(f"Converting AutoTP (tp={len(mp_ranks)}) ZeRO stage {stage} checkpoint {input_folder} to {output_folder}")
+    for name in du._progress(names, "ds_to_universal"):
+        param_dir = os.path.join(zero_dir, name)
+        make_dirs(param_dir)
+        for key in lazy0:
+            full = assemble([rank[2][key][name].contiguous() for rank in per_rank], layouts.get(name))
+            du._save(os.path.join(param_dir, f"{key}.pt"), {du.PARAM: full, du.CAT_DIM: 0})
+            del full
+        if group_of[name] in steps:
+            du._save(os.path.join(param_dir, "step.pt"), steps[group_of[name]])
+    for name, tensor in module.items():  # frozen parameters and buffers: the full weights of the model states
+        if isinstance(tensor, torch.Tensor) and name not in group_of and tensor.numel():
+            make_dirs(os.path.join(zero_dir, name))
+            du._save(os.path.join(zero_dir, name, "fp32.pt"), {du.PARAM: tensor.detach().float().clone()})
+    du._save(os.path.join(zero_dir, du.OPTIMIZER_STATE_FILE), du._optimizer_common(section, stage))
+    full_shapes = {name: tuple(module[name].shape) if name in module else tuple(shape)
+                   for group in shapes for name, shape in group.items()}
+    return _finish(output_folder, model_files, full_shapes if strict else None, list(lazy0))
+
+
+AUTOTP_PARAM_NAMES = "autotp_param_names"  # ZeRO-0: the optimizer's parameters by name, in its state order
+
+
+def _tp_model_states(input_folder: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(path, model states)`` of every tensor-parallel rank, ``mp_rank_00`` first."""
+    from deepspeed.checkpoint import ds_to_universal as du
+    from ds_zero import zero_to_fp32 as z
+
+    out, rank = [], 0
+    while os.path.isfile(path := os.path.join(input_folder, du._model_states_name(rank))):
+        out.append((path, z._load(path)))
+        rank += 1
+    size = autotp_size_of(out[0][1])
+    if len(out) != size:
+        raise du.UniversalConversionError(f"{input_folder}: an AutoTP checkpoint of autotp_size={size} holds "
+                                          f"{len(out)} mp_rank_XX_model_states.pt files")
+    return out
+
+
+def convert_autotp_stage0(input_folder: str, output_folder: str, strict: bool) -> str:
+    """Convert an AutoTP checkpoint without ZeRO: each rank's model states hold its whole optimizer state (the
+    moments of its shards, by index in ``autotp_param_names`` order); the fp32 values are the full weights of
+    the model states (the master weights themselves when training in fp32)."""
+    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint.universal import ZERO_FOLDER
+    from deepspeed.runtime.checkpointing._atomic import make_dirs
+
+    ranks = _tp_model_states(input_folder)
+    main = ranks[0][1]
+    names, layouts, optimizer = main.get(AUTOTP_PARAM_NAMES), main.get(AUTOTP_LAYOUTS), main.get("optimizer")
+    if names is None or layouts is None or optimizer is None:
+        raise du.UniversalConversionError(
+            f"{ranks[0][0]}: an AutoTP checkpoint without ZeRO needs '{AUTOTP_PARAM_NAMES}', '{AUTOTP_LAYOUTS}' and "
+            "'optimizer' in its model states (saved by an older version, or without an optimizer); load it at its "
+            "own autotp_size and save it again")
+    states = [r[1]["optimizer"]["optimizer_state_dict"]["state"] for r in ranks]
+    module, zero_dir = main.get("module") or {}, os.path.join(output_folder, ZERO_FOLDER)
+    make_dirs(zero_dir)
+    print(f"Converting AutoTP (tp={len(ranks)}) checkpoint without ZeRO {input_folder} to {output_folder}")
+    keys: list[str] = ["fp32"]
+    for index, name in enumerate(names):
+        param_dir = os.path.join(zero_dir, name)
+        make_dirs(param_dir)
+        du._save(os.path.join(param_dir, "fp32.pt"), {du.PARAM: module[name].detach().float().clone(), du.CAT_DIM: 0})
+        entry = states[0].get(index, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if isinstance(entry.get(key), torch.Tensor):
+                full = assemble([state[index][key] for state in states], layouts.get(name))
+                du._save(os.path.join(param_dir, f"{key}.pt"), {du.PARAM: full, du.CAT_DIM: 0})
+                keys = keys if key in keys else [*keys, key]
+        if "step" in entry:
+            du._save(os.path.join(param_dir, "step.pt"), entry["step"])
+    inner = main["optimizer"]["optimizer_state_dict"]
+    du._save(os.path.join(zero_dir, du.OPTIMIZER_STATE_FILE),
+             {du.PARAM_GROUPS: inner.get(du.PARAM_GROUPS, []), "loss_scaler": main["optimizer"].get("loss_scaler")})
+    shapes = {name: tuple(module[name].shape) for name in names}
+    return _finish(output_folder, [path for path, _ in ranks], shapes if strict else None, keys)
+
+
+def _finish(output_folder: str, model_files: list[str], shapes: dict[str, tuple] | None, keys: list[str]) -> str:
+    """Copy the model-states files, check every written file against the full ``shapes`` (None: no check) and
+    point ``latest_universal`` at the output folder."""
+    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint.universal import LATEST_UNIVERSAL, ZERO_FOLDER
+    from deepspeed.runtime.checkpointing._atomic import atomic_write_text
+
+    for path in model_files:
+        du._copy(path, os.path.join(output_folder, os.path.basename(path)))
+    if shapes is not None:
+        du._verify(os.path.join(output_folder, ZERO_FOLDER), [shapes], keys)
+    root, step_folder = os.path.split(output_folder)
+    atomic_write_text(os.path.join(root or ".", LATEST_UNIVERSAL), step_folder)
+    print("*** Done!")
+    return output_folder
+
+
+def stage0_optimizer(wrapper: Any, module: torch.nn.Module) -> tuple[Any, list[torch.nn.Parameter], list[str]] | None:
+    """(wrapper, its model parameters in state order, their names in ``module``) of a ZeRO-0 optimizer wrapper
+    (``FP32Optimizer``), else None (no optimizer, or ZeRO: its own files and universal load)."""
+    from deepspeed.runtime._precision import FP32Optimizer
+
+    if not isinstance(wrapper, FP32Optimizer):
+        return None
+    params = getattr(wrapper, "model_params", None)
+    params = list(params) if params is not None else [p for g in wrapper.optimizer.param_groups for p in g["params"]]
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return wrapper, params, [names[id(p)] for p in params]
+
+
+def load_stage0_optimizer(wrapper: Any, params: Sequence[torch.nn.Parameter], names: Sequence[str], ctx: Any,
+                          load: Any) -> None:
+    """Fill a ZeRO-0 optimizer wrapper (``FP32Optimizer``) from the ``zero/<name>/`` folders: ``load`` (the AutoTP
+    universal reader) returns this rank's shard of each value and moment; mixed-precision masters take fp32.pt."""
+    from ds_zero.checkpoint import check_universal_folders, read_universal, read_universal_common, universal_keys
+
+    check_universal_folders(ctx.tag_dir, list(names))
+    common = read_universal_common(ctx, load)
+    state: dict[int, dict[str, Any]] = {}
+    masters = getattr(wrapper, "master_of", {})
+    for i, (name, param) in enumerate(zip(names, params, strict=True)):
+        if param in masters:
+            with torch.no_grad():
+                masters[param].copy_(read_universal(ctx, load, name, "fp32", param.numel()).view(param.shape))
+        entry = {key: read_universal(ctx, load, name, key, param.numel()).view(param.shape)
+                 for key in universal_keys(ctx.tag_dir, [name], True) if key != "fp32"}
+        step = os.path.join(ZERO, name, "step.pt")
+        if entry and os.path.isfile(os.path.join(ctx.tag_dir, step)):
+            entry["step"] = load(step)
+        if entry:
+            state[i] = entry
+    current = wrapper.optimizer.state_dict()["param_groups"]
+    saved = common.get("param_groups") or current
+    if len(saved) != len(current):
+        raise ValueError(f"{ctx.tag_dir}: the checkpoint's optimizer has {len(saved)} parameter groups, this one "
+                         f"{len(current)}")
+    groups = [{**{k: v for k, v in old.items() if k != "params"}, "params": now["params"]}
+              for old, now in zip(saved, current, strict=True)]
+    restored: dict[str, Any] = {"optimizer_state_dict": {"state": state, "param_groups": groups}}
+    if common.get("loss_scaler"):
+        restored["loss_scaler"] = common["loss_scaler"]
+    wrapper.load_state_dict(restored)
+
