@@ -5,10 +5,13 @@ Model: ``--layers`` pre-norm blocks (``--hidden``, ``--heads``, SDPA with a caus
 from the position ids and the whole 2-D padding mask), token and position embeddings, a vocabulary head and mean
 cross entropy, all in the compiled graph; batch ``--batch`` x ``--seq`` tokens, fp32, SGD. Baseline: one rank,
 ``engine.compile(backend="inductor")`` without AutoSP (plain torch.compile), the whole sequence. AutoSP: 2 ranks,
-``sequence_parallel_size`` 2, each rank's shard of the marked inputs (``prepare_autosp_inputs``). Both run through
-``deepspeed.initialize``; ranks from the shared test harness, 1 torch thread per rank. ``--steps`` steps; the first
-(compilation) is reported on its own, the rest timed (median ms per step, the slowest rank's). Checked: AutoSP's
-losses (mean over ranks of each rank's shard loss) equal the baseline's (max |diff| reported).
+``sequence_parallel_size`` 2, each rank's shard of the marked inputs (``prepare_autosp_inputs``), with AutoSP's memory
+optimization (selective activation checkpointing: matmuls recomputed, attention kept) and, as a third run, without
+it. All run through ``deepspeed.initialize``; ranks from the shared test harness, 1 torch thread per rank.
+``--steps`` steps; the first (compilation) is reported on its own, the rest timed (median ms per step, the slowest
+rank's). Checked: AutoSP's losses (mean over ranks of each rank's shard loss) equal the baseline's (max |diff|
+reported). "saved act MiB": the bytes of the tensors the last step's forward saved for backward on rank 0
+(``saved_tensors_hooks``), parameters left out.
 
 Run: ``python benchmarks/autosp.py`` (``--quick`` for a short run).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -77,8 +81,24 @@ def _batch(args: argparse.Namespace, step: int) -> tuple:
     return ids, labels, torch.arange(args.seq).expand(args.batch, args.seq), padding
 
 
-def _run(args: argparse.Namespace) -> dict:
+def _saved_activation_bytes(engine: object, forward: object) -> tuple:
+    """``forward()``'s result and the bytes of the tensors it saved for backward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return out, sum(saved.values())
+
+
+def _run(args: argparse.Namespace, memory_optimization: bool = True) -> dict:
     import deepspeed
+    from deepspeed.compile.passes import long_context_checkpointing
     from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
     world = dist.get_world_size()
@@ -88,13 +108,18 @@ def _run(args: argparse.Namespace) -> dict:
         config["compile"] = {"deepcompile": True, "passes": ["autosp"]}
     torch.manual_seed(0)
     engine, *_ = deepspeed.initialize(model=_LM(args), config=config)
-    engine.compile(backend="inductor")
+    long_context_checkpointing.enabled = memory_optimization
+    try:
+        engine.compile(backend="inductor")
+    finally:
+        long_context_checkpointing.enabled = True
     losses, times = [], []
     for step in range(args.steps):
         batch = _batch(args, step)
         dist.barrier()
         start = time.perf_counter()
-        loss = engine(prepare_autosp_inputs(*batch) if world > 1 else batch)
+        inputs = prepare_autosp_inputs(*batch) if world > 1 else batch
+        loss, saved = _saved_activation_bytes(engine, functools.partial(engine, inputs))
         engine.backward(loss)
         engine.step()
         elapsed = torch.tensor([time.perf_counter() - start])
@@ -103,7 +128,7 @@ def _run(args: argparse.Namespace) -> dict:
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
         times.append(elapsed.item() * 1e3)
-    return {"losses": losses, "first_ms": times[0], "step_ms": statistics.median(times[1:])}
+    return {"losses": losses, "first_ms": times[0], "step_ms": statistics.median(times[1:]), "saved": saved}
 
 
 def main() -> None:
@@ -120,15 +145,21 @@ def main() -> None:
     try:
         base = run_distributed(_run, world_size=1, args=(args,), timeout=1800)[0]
         autosp = run_distributed(_run, world_size=2, args=(args,), timeout=1800)[0]
+        plain = run_distributed(_run, world_size=2, args=(args, False), timeout=1800)[0]
     finally:
         shutdown_pool()
     tokens = args.batch * args.seq
-    print(f"{'run':<28}{'first step ms':>15}{'step ms':>10}{'tokens/s':>11}{'vs base':>9}")
-    for name, result in (("1 rank, torch.compile", base), ("2 ranks, AutoSP sp=2", autosp)):
-        print(f"{name:<28}{result['first_ms']:>15.0f}{result['step_ms']:>10.1f}"
-              f"{tokens / result['step_ms'] * 1e3:>11.0f}{base['step_ms'] / result['step_ms']:>9.2f}")
-    diff = max(abs(a - b) for a, b in zip(autosp["losses"], base["losses"], strict=True))
-    print(f"losses equal: max |AutoSP - base| = {diff:.2e} over {args.steps} steps")
+    print(f"{'run':<36}{'first step ms':>15}{'step ms':>10}{'tokens/s':>11}{'vs base':>9}{'saved act MiB':>15}")
+    runs = (("1 rank, torch.compile", base), ("2 ranks, AutoSP sp=2", autosp),
+            ("2 ranks, AutoSP sp=2, no memory opt", plain))
+    for name, result in runs:
+        print(f"{name:<36}{result['first_ms']:>15.0f}{result['step_ms']:>10.1f}"
+              f"{tokens / result['step_ms'] * 1e3:>11.0f}{base['step_ms'] / result['step_ms']:>9.2f}"
+              f"{result['saved'] / 2**20:>15.2f}")
+    for name, result in runs[1:]:
+        diff = max(abs(a - b) for a, b in zip(result["losses"], base["losses"], strict=True))
+        print(f"losses equal ({name}): max |AutoSP - base| = {diff:.2e} over {args.steps} steps")
+    print(f"saved activations per rank, memory optimization on / off: {autosp['saved'] / plain['saved']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """AutoSP (``compile: {deepcompile: true, passes: ["autosp"]}``, spec 2.1.10): a tiny SDPA language model compiled
 through the AutoSP pass trains on 2 ranks, each holding half of every sequence, exactly as the plain model trains
-on the whole sequence in one process; the pass's misuse cases are clear errors."""
+on the whole sequence in one process; its memory optimization (selective activation checkpointing) saves fewer
+activations for the same gradients; the pass's misuse cases are clear errors."""
 
 from __future__ import annotations
 
@@ -118,6 +119,53 @@ def test_compiled_model_on_two_ranks_trains_like_one_process():
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
 
 
+def _one_step_saving(enabled: bool) -> tuple:
+    """One AutoSP step (aot_eager) with the memory optimization on or off: loss, averaged gradients and the
+    activations the compiled forward saved for backward (parameters left out) as ``{storage: (bytes, shape)}``."""
+    import deepspeed
+    from deepspeed.compile.passes import long_context_checkpointing
+    from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
+
+    long_context_checkpointing.enabled = enabled
+    try:
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=_TinyLM(), config=_config(2))
+        engine.compile(backend="aot_eager")
+    finally:
+        long_context_checkpointing.enabled = True
+    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine(prepare_autosp_inputs(*next(_batches())))
+    engine.backward(loss)
+    return loss.detach(), [p.grad.clone() for p in engine.module.parameters()], saved
+
+
+def _memory_optimization() -> None:
+    loss_off, grads_off, saved_off = _one_step_saving(False)
+    loss_on, grads_on, saved_on = _one_step_saving(True)
+    torch.testing.assert_close(loss_on, loss_off, rtol=0, atol=0)
+    for on, off in zip(grads_on, grads_off, strict=True):
+        torch.testing.assert_close(on, off, **TOL)
+    bytes_on, bytes_off = (sum(b for b, _ in saved.values()) for saved in (saved_on, saved_off))
+    assert bytes_on < 0.6 * bytes_off, (bytes_on, bytes_off)
+    shapes_on, shapes_off = ({shape for _, shape in saved.values()} for saved in (saved_on, saved_off))
+    attention_out = (BATCH, HEADS // 2, SEQ, HIDDEN // HEADS)  # Ulysses layout: half the heads, whole sequence
+    assert attention_out in shapes_on and attention_out in shapes_off  # attention is kept
+    mlp_matmul = (BATCH * SEQ // 2, 2 * HIDDEN)  # the first MLP matmul's output on a shard
+    assert mlp_matmul in shapes_off and mlp_matmul not in shapes_on  # matmuls are recomputed
+
+
+def test_memory_optimization_recomputes_matmuls_keeps_attention_and_gives_the_same_gradients():
+    run_distributed(_memory_optimization, world_size=2, timeout=120)
+
+
 def _pass_inserts_all_to_all() -> int:
     """The graph handed to the inner backend: one exchange per q/k/v/output of each SDPA, one mask gather each."""
     import deepspeed
@@ -125,8 +173,9 @@ def _pass_inserts_all_to_all() -> int:
 
     seen = []
 
-    def inspect(gm, example_inputs):
-        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+    def inspect(gm, example_inputs):  # the captured graph is the body of AutoSP's selective checkpoint
+        assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"][0] == "tag_activation_checkpoint"
+        seen.append([str(n.target) for n in gm.autosp_body.graph.nodes if n.op == "call_function"])
         return gm.forward
 
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """``DeepSpeedEngine.compile``: plain ``torch.compile`` of the wrapped module, or DeepCompile's AutoSP pass.
 
 AutoSP (``compile: {deepcompile: true, passes: ["autosp"]}`` with ``sequence_parallel_size: P``) compiles the
-module's call with a backend that runs ``passes.sp_compile.autosp_pass`` before the requested backend, and puts a
+module's call with a backend that runs ``passes.sp_compile.autosp_pass`` and then AutoSP's memory optimization
+(``passes.long_context_checkpointing``: selective activation checkpointing) before the requested backend, and puts a
 thin call in front of it that keeps each rank's sequence shard of the inputs ``prepare_autosp_inputs`` marked.
 Each rank's loss is then the loss of its shard (e.g. a mean over its tokens), so gradients are averaged over the
 sequence-data-parallel ranks (DeepSpeed's AutoSP treats the sequence ranks like data-parallel ones for the
@@ -86,6 +87,7 @@ class _AutoSPCall:
 def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
     """Compile ``engine.module`` with the AutoSP pass over the engine's sequence-parallel group."""
     from deepspeed.compile import _all_to_all
+    from deepspeed.compile.passes import long_context_checkpointing
     from deepspeed.compile.passes.sp_compile import autosp_pass
     from deepspeed.utils import groups
 
@@ -100,9 +102,13 @@ def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
     key = _all_to_all.register_group(group)
     inner = backend if callable(backend) else torch._dynamo.lookup_backend(backend)
 
+    checkpointing = long_context_checkpointing.enabled
+
     def autosp_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         if world > 1:
             autosp_pass(gm, key)
+        if checkpointing:  # AutoSP's memory optimization: recompute matmuls, keep attention
+            gm = long_context_checkpointing.selective_checkpoint(gm)
         return inner(gm, example_inputs)
 
     module = engine.module

@@ -1,1 +1,2 @@
-"""DeepCompile graph passes: ``sp_compile`` (AutoSP)."""
+"""DeepCompile graph passes: ``sp_compile`` (AutoSP) and ``long_context_checkpointing`` (AutoSP's selective
+activation checkpointing)."""
