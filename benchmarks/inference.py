@@ -10,7 +10,8 @@ uses one.
    the two share the weights (the engine wraps a deep copy). Each repetition times one call of each, in
    alternating order; tokens/s = batch x new tokens / time. Reported: median tokens/s and engine / plain as the
    paired median (per-repetition ratios), target >= 0.95. The int8 engine (weight-only, ``q_groups`` = rows of
-   the smallest Linear) is timed in the same loop (its weights are dequantized on the fly each step).
+   the smallest Linear) is timed in the same loop, with its tiled int8 matmul (``quantized_matmul``) and with
+   the plain reference path (whole weight dequantized each call), the speed-up as their paired median.
 2. Latency at tp 2. Two gloo ranks, each builds the same model and ``init_inference(tensor_parallel={"tp_size":
    2})``; median ms of one forward over the prompt (prefill) and of one greedy generate, slowest rank, after a
    barrier; against the same numbers of the tp 1 engine measured in this process before the ranks start.
@@ -71,15 +72,20 @@ def overhead(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, list
     engine = init_inference(copy.deepcopy(model), dtype=torch.float, max_tokens=args.prompt + args.new)
     groups = args.hidden  # one scale per row of the smallest Linear: q_groups must divide every weight
     int8 = init_inference(copy.deepcopy(model), dtype=torch.int8, quant={"weight": {"q_groups": groups}})
+    int8_ref = init_inference(copy.deepcopy(model), dtype=torch.int8, quant={"weight": {"q_groups": groups}})
+    for module in int8_ref.module.modules():  # the plain reference path: whole weight dequantized per call
+        if hasattr(module, "_tiled_matmul"):
+            module._tiled_matmul = False
     runs = {"plain": generate_fn(model, ids, args.new), "engine": generate_fn(engine, ids, args.new),
-            "int8": generate_fn(int8, ids, args.new)}
+            "int8": generate_fn(int8, ids, args.new), "int8_ref": generate_fn(int8_ref, ids, args.new)}
+    same_int8 = torch.equal(runs["int8"](), runs["int8_ref"]())
     same = torch.equal(runs["plain"](), runs["engine"]())
     times: dict[str, list[float]] = {k: [] for k in runs}
     for rep in range(args.reps):
         order = list(runs) if rep % 2 == 0 else list(reversed(runs))
         for name in order:
             times[name].append(timed(runs[name]))
-    times["same_tokens"] = [float(same)]
+    times["same_tokens"], times["same_int8_tokens"] = [float(same)], [float(same_int8)]
     return times
 
 
@@ -133,13 +139,16 @@ def main() -> None:
     tokens = args.batch * args.new
     print("\n## 1. generate throughput at tp 1 (fp32)")
     print(f"{'variant':<22}{'tokens/s':>10}{'vs plain (paired)':>20}")
-    labels = {"plain": "plain HF model", "engine": "init_inference fp32", "int8": "init_inference int8"}
+    labels = {"plain": "plain HF model", "engine": "init_inference fp32", "int8": "init_inference int8",
+              "int8_ref": "int8 reference path"}
     for name, label in labels.items():
         rate = tokens / statistics.median(times[name])
         ratio = paired(times["plain"], times[name])  # plain time / variant time = variant tokens/s / plain
         print(f"{label:<22}{rate:>10.1f}{ratio:>20.3f}")
     print(f"engine tokens equal plain tokens: {bool(times['same_tokens'][0])}; engine overhead "
           f"{(1 / paired(times['plain'], times['engine']) - 1) * 100:+.1f}% (target <= 5%)")
+    print(f"int8 tiled / int8 reference (paired): {paired(times['int8_ref'], times['int8']):.3f}; same tokens: "
+          f"{bool(times['same_int8_tokens'][0])}")
 
     one = latency(args, init_inference(copy.deepcopy(model), dtype=torch.float))
     two = spawn_ranks(tp_rank, args, world_size=2)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import pickle
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
+import ds_inference.quantization as quantization
 from ds_inference.quantization import (
     QuantizedWeight,
     dequantize,
@@ -16,6 +22,8 @@ from ds_inference.quantization import (
     model_bytes,
     quantize,
     quantize_weights,
+    quantized_matmul,
+    quantized_matmul_reference,
 )
 
 
@@ -118,3 +126,56 @@ def test_weights_that_must_stay_float_and_errors_name_the_module():
     with pytest.raises(ValueError, match=r"^odd: quant.weight.q_groups=2 must divide the weight's 9 elements"):
         quantize_weights(whole, groups=2)
     assert not is_quantized(whole["even"])  # checked before anything was replaced: the model is left whole
+
+
+# (rows, cols, groups): groups of 4 and of 2 whole rows, one per row, 3 per row, one for all (tiles inside it),
+# and 6 groups of 10 elements that straddle rows of 12 unevenly (the tiled path falls back to the reference)
+LAYOUTS = [(32, 12, 8), (32, 12, 16), (32, 12, 32), (32, 12, 96), (32, 12, 1), (5, 12, 6)]
+
+
+@pytest.mark.parametrize("rows,cols,groups", LAYOUTS)
+@pytest.mark.parametrize("q_type", ["symmetric", "asymmetric"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tiled_matmul_equals_the_reference(monkeypatch, rows, cols, groups, q_type, transposed):
+    monkeypatch.setattr(quantization, "TILE_ELEMENTS", 5 * cols)  # tiles of 5 rows: several, the last one short
+    gen = torch.Generator().manual_seed(rows * groups)
+    qw = quantize(torch.randn(rows, cols, generator=gen) + 0.3, 8, groups, q_type)
+    x = torch.randn(2, 3, rows if transposed else cols, generator=gen)
+    expected = quantized_matmul_reference(x, qw, transposed)
+    assert torch.allclose(expected, x @ dequantize(qw) if transposed else x @ dequantize(qw).t())
+    got = quantized_matmul(x, qw, transposed)
+    assert got.shape == expected.shape == (2, 3, cols if transposed else rows)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    half = quantized_matmul(x.bfloat16(), qw, transposed)  # computed in the activation dtype
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
+
+
+def _tiny_lm(vocab: int = 40, hidden: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(vocab, hidden), nn.Linear(hidden, vocab, bias=False)
+    head.weight = emb.weight  # the tied lm_head: its codes are the embedding's
+    return nn.Sequential(emb, Conv1D(4 * hidden, hidden), nn.GELU(), nn.Linear(4 * hidden, hidden), head)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("q_type,groups", [("symmetric", 16), ("asymmetric", 16), ("symmetric", 128)])
+def test_model_fast_path_equals_reference_path_tied_head_included(q_type, groups):
+    model = _tiny_lm()
+    ids = torch.randint(0, 40, (2, 7))
+    fp32 = model(ids)
+    quantize_weights(model, 8, groups, q_type)
+    fast = [m for m in model if isinstance(getattr(m, "forward", None), functools.partial)]
+    assert fast == [model[1], model[3], model[4]]  # Conv1D, Linear and the tied head; the embedding looks up rows
+    got = model(ids)
+    for module in fast:
+        module._tiled_matmul = False
+    reference = model(ids)
+    assert all(m.weight is None for m in model if is_quantized(m))
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    assert 0 < (got - fp32).abs().max() < 0.02 * fp32.abs().max()  # still the int8 model, not the float one
+    for module in fast:
+        module._tiled_matmul = True
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # the instance forward travels along
+        assert clone[4].weight_q is clone[0].weight_q
+        torch.testing.assert_close(clone(ids), got, rtol=0, atol=0)

@@ -2,16 +2,19 @@
 
 A weight matrix is flattened and cut into ``q_groups`` equal groups; each group gets its own scale (and, for
 ``q_type="asymmetric"``, its own zero point). Values are stored as ``int8`` whatever ``num_bits`` (<= 8) is, so
-memory is 1 byte per weight element plus 4 bytes per group. The module keeps its class and its ``forward``; its
-``weight`` reads ``None`` between calls: a pre-forward hook rebuilds it just before the module runs (a Linear:
-the whole matrix in the activation dtype; an Embedding: only the rows looked up, in the original dtype) and a
-forward hook drops it afterwards, so the float weight only exists while its own layer runs. Covered:
+memory is 1 byte per weight element plus 4 bytes per group. The module keeps its class; its ``weight`` reads
+``None`` between calls. A plain ``nn.Linear`` or HF ``Conv1D`` gets an instance ``forward`` that runs
+:func:`quantized_matmul` (tile by tile, scales folded onto the input or output; the whole float weight never
+exists); :func:`quantized_matmul_reference` is its plain counterpart. Other layers keep their ``forward``: a
+pre-forward hook rebuilds the weight just before the module runs (a Linear: the whole matrix in the activation
+dtype; an Embedding: only the rows looked up, in the original dtype) and a forward hook drops it. Covered:
 ``nn.Linear``, Hugging Face's ``Conv1D`` (GPT-2), ``nn.Embedding`` and AutoTP's sharded replacements of all
 three. A weight tied between modules (embedding and lm_head) is quantized once and its int8 buffers are shared.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,8 @@ __all__ = [
     "model_bytes",
     "quantize",
     "quantize_weights",
+    "quantized_matmul",
+    "quantized_matmul_reference",
 ]
 
 
@@ -96,6 +101,91 @@ def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor, dtype: torch.dtype 
     return (codes * qw.scale.view(-1)[group]).to(dtype)
 
 
+# weight elements per dequantized tile (1 MiB in fp32): the tile is still in cache when its matmul reads it
+TILE_ELEMENTS = 1 << 18
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_rows(width: int, span: int, tile_elements: int) -> int:
+    """Rows per tile: about ``tile_elements`` elements, and a tile never splits a group of ``span`` rows unless
+    it lies inside one (then it divides the group), so each tile takes its scales as a plain slice."""
+    target = max(1, tile_elements // width)
+    if span <= target:
+        return target // span * span
+    return max(d for d in range(1, target + 1) if span % d == 0)
+
+
+def _tile_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                  transposed: bool) -> torch.Tensor:
+    """One tile's share of the product: ``x @ tile.T`` (or ``x @ tile``, ``x`` then the tile's input slice).
+
+    ``scale``/``zero``: ``[n_groups]`` for groups of whole rows (their rows split the tile evenly): the scales
+    move off the weight onto ``x`` (rows are input features) or the output (rows are output features), so the
+    tile only needs an int8 -> float cast, no broadcast multiply, and a zero point becomes the rank-1
+    correction ``s * z * sum(x)``. ``[rows, pieces, 1]`` for several groups per row: the tile is dequantized
+    as in :func:`dequantize`."""
+    rows, batch = codes.shape[0], x.shape[0]
+    if scale.dim() == 3:
+        codes = codes.view(rows, scale.shape[1], -1)
+        tile = ((codes - zero if zero is not None else codes) * scale).view(rows, -1).to(x.dtype)
+        return x @ tile if transposed else x @ tile.t()
+    weight, groups = codes.to(x.dtype), scale.shape[0]
+    scale = scale.to(x.dtype).view(1, groups, 1)
+    if transposed:
+        x = (x.view(batch, groups, -1) * scale).view(batch, rows)
+        out = x @ weight
+        if zero is not None:  # sum over the group's inputs of x * s, times the group's zero point
+            out -= (x.view(batch, groups, -1).sum(-1) @ zero.to(x.dtype).view(groups)).unsqueeze(-1)
+        return out
+    out = x @ weight.t()
+    out.view(batch, groups, -1).mul_(scale)
+    if zero is not None:
+        out.view(batch, groups, -1).sub_(x.sum(-1).view(batch, 1, 1) * (scale * zero.to(x.dtype).view(1, groups, 1)))
+    return out
+
+
+def quantized_matmul(x: torch.Tensor, qw: QuantizedWeight, transposed: bool = False) -> torch.Tensor:
+    """``x @ W.T`` (``transposed``: ``x @ W``, HF Conv1D's ``[in, out]`` layout) for ``W = dequantize(qw)``,
+    working through tiles of about ``TILE_ELEMENTS`` elements instead of dequantizing the whole matrix.
+
+    The fast path of int8 inference (see :func:`_tile_product`); equal to :func:`quantized_matmul_reference`
+    up to float rounding. Groups that straddle rows unevenly fall back to the reference.
+    """
+    rows, width = qw.q.shape
+    groups = qw.scale.shape[0]
+    group_size = qw.q.numel() // groups
+    if group_size % width == 0:  # groups of whole rows
+        span = group_size // width
+        step = _tile_rows(width, span, TILE_ELEMENTS)
+        scale, zero = qw.scale.view(groups), None if qw.zero is None else qw.zero.view(groups)
+        scale_of = lambda a, b: slice(a // span, max(b // span, a // span + 1))  # noqa: E731
+    elif width % group_size == 0:  # several whole groups per row
+        pieces, step = width // group_size, max(1, TILE_ELEMENTS // width)
+        scale, zero = qw.scale.view(rows, pieces, 1), None if qw.zero is None else qw.zero.view(rows, pieces, 1)
+        scale_of = slice  # noqa: E731
+    else:
+        return quantized_matmul_reference(x, qw, transposed)
+    flat = x.reshape(-1, x.shape[-1])
+    parts = []
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        picked = scale_of(start, end)
+        part = _tile_product(flat[:, start:end] if transposed else flat, qw.q[start:end], scale[picked],
+                             None if zero is None else zero[picked], transposed)
+        if transposed and parts:  # rows are input features: partial products add up
+            parts[0] += part
+        else:  # rows are output features: the parts are column blocks
+            parts.append(part)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def quantized_matmul_reference(x: torch.Tensor, qw: QuantizedWeight, transposed: bool = False) -> torch.Tensor:
+    """Plain version of :func:`quantized_matmul`: dequantize the whole matrix, then one matmul."""
+    weight = dequantize(qw, x.dtype)
+    return x @ weight if transposed else x @ weight.t()
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether :func:`quantize_weights` replaced this module's weight by int8 codes."""
     return "weight_q" in module._buffers
@@ -155,6 +245,28 @@ def _lookup_hook(module: nn.Module, args: tuple) -> tuple | None:
     return (local, *args[1:])
 
 
+def _tiled_forward(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a quantized plain ``nn.Linear`` / HF ``Conv1D``: the tiled int8 matmul plus the bias."""
+    if not hidden.is_floating_point() or not module._tiled_matmul:
+        _dequantize_hook(module, (hidden,))  # the reference: the layer's own forward on the whole float weight
+        try:
+            return type(module).forward(module, hidden)
+        finally:
+            module._parameters["weight"] = None
+    out = quantized_matmul(hidden, _stored(module), transposed=module._tiled_layout == "conv1d")
+    return out if module.bias is None else out.add_(module.bias)
+
+
+def _tiled_layout(module: nn.Module, shape: torch.Size) -> str | None:
+    """"linear" / "conv1d" for a module whose forward is exactly ``x @ W.T + b`` / ``x @ W + b``; None otherwise
+    (AutoTP's sharded layers communicate around their matmul: they keep their own forward on the float weight)."""
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return "linear"
+    if type(module).__name__ == "Conv1D" and getattr(module, "nf", None) == shape[1]:
+        return "conv1d"
+    return None
+
+
 def _drop_hook(module: nn.Module, args: tuple, output: object) -> None:
     module._parameters["weight"] = None
     padding_idx = module.__dict__.pop("_lookup_padding_idx", None)
@@ -171,8 +283,15 @@ def _attach(module: nn.Module, qw: QuantizedWeight, kind: str, dtype: torch.dtyp
         module.register_buffer("weight_zero", qw.zero)
     # an embedding's input (token ids) carries no float dtype: it is dequantized to the original one
     module._dequant_dtype = dtype
-    module.register_forward_pre_hook(_lookup_hook if kind == "embedding" else _dequantize_hook)
-    module.register_forward_hook(_drop_hook)
+    layout = _tiled_layout(module, qw.q.shape) if kind == "linear" else None
+    if layout is not None:
+        # an instance ``forward`` replaces the dequantize hook; a partial (not a bound method) so the module
+        # still deep-copies and pickles. ``_tiled_matmul = False`` selects the reference path (tests, debugging).
+        module._tiled_layout, module._tiled_matmul = layout, True
+        module.forward = functools.partial(_tiled_forward, module)
+    else:
+        module.register_forward_pre_hook(_lookup_hook if kind == "embedding" else _dequantize_hook)
+        module.register_forward_hook(_drop_hook)
 
 
 def quantize_weights(model: nn.Module, num_bits: int = 8, groups: int = 1, q_type: str = "symmetric") -> list[str]:
