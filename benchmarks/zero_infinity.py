@@ -11,9 +11,11 @@ of steps 2-3 (step 1 creates the optimizer states; ``nvme-seq`` runs 2 steps). T
 blocks are freed, and the heap then keeps freed multi-MiB tensors resident, so peak RSS would count memory no
 tensor holds (in both runs alike; 0 measures with the default). Two NVMe runs: ``nvme`` with ``pipeline_read`` and
 ``pipeline_write`` (the configuration to use) and ``nvme-seq`` without pipelining, whose optimizer-swap waits
-are pure I/O (nothing overlaps them): its bytes / seconds blocked, per direction and summed over the ranks
-(they swap at the same time), are the achieved swap bandwidth, set against ``benchmarks/aio.py``'s
-``ours_run`` (locked buffers, same block size / queue depth / threads) measured in this run on the same disk.
+are pure I/O (nothing overlaps them): the bytes / seconds blocked of its last (steady-state) step's optimizer
+swaps, per direction, are the achieved swap bandwidth, set against ``benchmarks/aio.py``'s ``ours_run`` (locked
+buffers, same block size / queue depth / threads) measured in this run on the same disk, once by one process
+alone and once by ``WORLD`` processes at the same time (as the ranks swap): per rank against the latter is the
+like-for-like figure. The gradient file's piecewise writes and reads during backward are reported apart.
 
     python benchmarks/zero_infinity.py                       # ~4 GB of states (68 x 2048^2), /tmp/zero_infinity
     python benchmarks/zero_infinity.py --layers 8 --nvme-path /mnt/nvme   # quick / another disk
@@ -78,8 +80,12 @@ def rank_main(rank: int, payload: tuple, port: int, queue) -> None:
     engine = deepspeed.initialize(model=model, config=config)[0]
     times = []
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(2 if mode == "nvme-seq" else 3):  # nvme-seq measures bandwidth: 2 steps are enough
+    steps = 2 if mode == "nvme-seq" else 3  # nvme-seq measures bandwidth: 2 steps are enough
+    for k in range(steps):
         x = torch.randn(args.batch, args.width, generator=gen, dtype=torch.bfloat16)
+        swapper = engine.optimizer.swapper
+        if k == steps - 1 and swapper is not None:  # bandwidth of the steady state: the last step's swaps only
+            swapper.stats.reset()
         start = time.perf_counter()
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
@@ -98,23 +104,39 @@ def rank_main(rank: int, payload: tuple, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _aio_baseline(args: argparse.Namespace) -> dict[str, float]:
+def _aio_baseline(args: argparse.Namespace, tag: str = "", sync=None) -> dict[str, float]:
     """benchmarks/aio.py's own measurement (``ours_run``: locked buffer, same handle settings; a write is of a
-    fresh file and ends with an fsync, a read starts from an evicted page cache), median of 3, bytes/s."""
+    fresh file and ends with an fsync, a read starts from an evicted page cache), median of 3, bytes/s.
+    ``sync``: called before each run, so concurrent processes measure at the same time."""
     import aio as aio_bench
 
     from ds_ops.aio import AsyncIOHandle
 
-    path = os.path.join(args.nvme_path, "aio_baseline.bin")
-    out = {}
+    path = os.path.join(args.nvme_path, f"aio_baseline{tag}.bin")
+    out: dict[str, list[float]] = {"write_fresh": [], "read": []}
     with AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads) as h:
         # at least 64 MiB per request, so that the fsync aio.py adds to a write is not the whole figure
         buf = h.new_cpu_locked_tensor(max(args.sub_group * 4, 64 << 20), torch.uint8).fill_(1)
-        for op in ("write_fresh", "read"):
-            out[op] = statistics.median(aio_bench.ours_run(h, buf, path, op)[0] for _ in range(3))
+        for op in out:
+            for _ in range(3):
+                if sync is not None:
+                    sync()
+                out[op].append(aio_bench.ours_run(h, buf, path, op)[0])
         h.free_cpu_locked_tensor(buf)
     os.unlink(path)
-    return out
+    return {op: statistics.median(v) for op, v in out.items()}
+
+
+def baseline_rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    """``_aio_baseline`` on ``WORLD`` processes at once (barrier before each run), as the ranks swap."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    row = _aio_baseline(args, f"-{rank}", dist.barrier)
+    rows = [None] * WORLD
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
 
 
 def _args() -> argparse.Namespace:
@@ -144,6 +166,8 @@ def main() -> None:
           f"{numel * 14 / 1e9:.2f} GB, {WORLD} gloo ranks, nvme_path {args.nvme_path}, "
           f"MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold or 'glibc default'}")
     baseline = _aio_baseline(args)
+    concurrent = spawn_ranks(baseline_rank, args, WORLD)
+    baseline.update({f"{op}_concurrent": statistics.mean(r[op] for r in concurrent) for op in ("write_fresh", "read")})
     results = {}
     for mode in args.modes.split(","):
         start = time.perf_counter()
@@ -168,16 +192,27 @@ def _report(args: argparse.Namespace, results: dict, baseline: dict[str, float])
                   f"{_ratio(r['step'], ref and ref['step'])} |")
     seq = results.get("nvme-seq")
     if seq:
-        read = sum(r["read_bytes"] / r["read_s"] for r in seq)
-        write = sum(r["write_bytes"] / r["write_s"] for r in seq)
-        print(f"\nswap bandwidth (nvme-seq optimizer swaps, summed over ranks; block {args.block_size >> 10} KiB, "
-              f"qd {args.queue_depth}, threads {args.threads}):")
-        print("| direction | achieved, ranks summed (MB/s) | per rank (MB/s) | aio.py (MB/s) | summed / aio.py | "
-              "per rank / aio.py |\n|---|---|---|---|---|---|")
-        for name, got, ref in (("read", read, baseline["read"]), ("write", write, baseline["write_fresh"])):
-            each = got / len(seq)
-            print(f"| {name} | {got / 1e6:.0f} | {each / 1e6:.0f} | {ref / 1e6:.0f} | {got / ref:.2f} | "
-                  f"{each / ref:.2f} |")
+        _report_bandwidth(args, seq, baseline)
+
+
+def _report_bandwidth(args: argparse.Namespace, seq: list[dict], baseline: dict[str, float]) -> None:
+    mib = args.sub_group * 4 / 2**20
+    print(f"\nswap bandwidth (nvme-seq, last step; block {args.block_size >> 10} KiB, qd {args.queue_depth}, "
+          f"threads {args.threads} for both). Swaps move one {mib:.1f} MiB file per tensor (sub_group_size x 4 B), "
+          f"rewritten in place, no fsync; aio.py writes a fresh {max(mib, 64):.0f} MiB file + fsync and reads it "
+          f"cold. 'aio.py x{WORLD}' = {WORLD} processes at once, per process (like-for-like with per rank); "
+          "'aio.py x1' = one process alone (like-for-like with the ranks' sum, when the disk is the limit).")
+    print(f"| direction | per rank (MB/s) | aio.py x{WORLD} (MB/s) | per rank / aio.py x{WORLD} | aio.py x1 (MB/s) "
+          "| per rank / aio.py x1 | ranks summed (MB/s) | summed / aio.py x1 |\n|---|---|---|---|---|---|---|---|")
+    for name, op, kind in (("read", "read", "read"), ("write", "write_fresh", "write"),
+                           ("grad read (backward)", "read", "grad_read"),
+                           ("grad write (backward)", "write_fresh", "grad_write")):
+        rates = [r[f"{kind}_bytes"] / r[f"{kind}_s"] for r in seq if r.get(f"{kind}_s")]
+        if not rates:
+            continue
+        got, each, solo, both = sum(rates), sum(rates) / len(rates), baseline[op], baseline[f"{op}_concurrent"]
+        print(f"| {name} | {each / 1e6:.0f} | {both / 1e6:.0f} | {each / both:.2f} | {solo / 1e6:.0f} | "
+              f"{each / solo:.2f} | {got / 1e6:.0f} | {got / solo:.2f} |")
 
 
 def _ratio(num: float, den: float | None) -> str:

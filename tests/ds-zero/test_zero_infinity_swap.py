@@ -195,3 +195,33 @@ def test_param_write_during_a_prefetch_wins(tmp_path):
     swapper.release([p])
     assert torch.equal(swapper.read_copy(p), torch.full((40,), 3.0, dtype=torch.bfloat16))
     swapper.close()
+
+
+def test_rewrites_overwrite_the_file_in_place(tmp_path):
+    """A tensor's first write creates its file; later writes of the same size overwrite that file (same inode,
+    no temporary file, right bytes), and the bandwidth counters hold only waited-for swaps."""
+    settings = OptimizerSwapSettings(nvme_path=str(tmp_path), aio={"block_size": 4096}, fast_init=True)
+    swapper = OptimizerSwapper(settings, rank=0, largest_numel=1024)
+    swapper.init_masters([(0, lambda: torch.arange(1024, dtype=torch.float32))])
+    assert swapper.stats.write_bytes == 0  # fast_init's writes overlap the preparation: not a bandwidth sample
+    swapper.run([0], lambda i, t: {"master": t["master"].add_(1), "avg": t["master"] * 2})
+    inodes = {n: os.stat(swapper.path(0, n)).st_ino for n in ("master", "avg")}
+    swapper.stats.reset()
+    swapper.run([0], lambda i, t: {"master": t["master"].add_(1), "avg": t["avg"].add_(1)})
+    assert {n: os.stat(swapper.path(0, n)).st_ino for n in inodes} == inodes
+    assert sorted(os.listdir(swapper.folder)) == ["0_avg.tensor.swp", "0_master.tensor.swp"]
+    got = swapper.read_new(0)
+    assert torch.equal(got["master"], torch.arange(1024, dtype=torch.float32) + 2)
+    assert torch.equal(got["avg"], (torch.arange(1024, dtype=torch.float32) + 1) * 2 + 1)
+    assert swapper.stats.write_bytes == 2 * 1024 * 4 and swapper.stats.write_s > 0
+    swapper.close()
+
+    params = ParamSwapper(ParamSwapSettings(nvme_path=str(tmp_path), max_in_cpu=0, buffer_count=2,
+                                            buffer_size=64, aio={"block_size": 4096}), rank=0)
+    p = _param(7, 64)
+    params.adopt(p)
+    first = os.stat(params.path(p)).st_ino
+    params.write(p, torch.full((64,), 3.0))
+    assert os.stat(params.path(p)).st_ino == first
+    assert torch.equal(params.read_copy(p), torch.full((64,), 3.0))
+    params.close()

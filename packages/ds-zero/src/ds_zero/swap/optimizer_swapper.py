@@ -6,6 +6,12 @@ sub-group's size: with ``pipeline_read`` the next sub-group is read while the cu
 ``pipeline_write`` the previous one is written back meanwhile (two aio handles, so each ``wait`` covers one
 direction). A sub-group needs one buffer per tensor it keeps (master + states: 3 for Adam); pipelining uses
 further buffers only when the pool has them, so a small pool degrades to the sequential order, never grows.
+
+A tensor's first write creates its file (a fresh file, reserved, renamed into place); later writes of the same
+size overwrite it in place. Re-creating the file for every write cost a third of the write bandwidth on ext4
+(create + fallocate + rename and the freed old extents, per tensor); the price is that a write failing midway
+leaves that file partly new, which is harmless as the failed step raises and its sub-groups are not read back
+as a consistent state.
 """
 
 from __future__ import annotations
@@ -43,15 +49,21 @@ class OptimizerSwapSettings:
 
 
 class SwapStats:
-    """Bytes moved and seconds spent blocked on them, per direction (for the benchmark's bandwidth)."""
+    """Bytes moved and seconds spent blocked on them, per direction (for the benchmark's bandwidth). Only
+    bytes whose whole transfer was waited for are counted (``fast_init``'s overlapped master writes are not);
+    the gradient file's piecewise I/O during the backward pass counts apart (``grad_*``)."""
 
     def __init__(self) -> None:
-        self.read_bytes = self.write_bytes = 0
-        self.read_s = self.write_s = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (the benchmark measures one step's swaps)."""
+        self.read_bytes = self.write_bytes = self.grad_read_bytes = self.grad_write_bytes = 0
+        self.read_s = self.write_s = self.grad_read_s = self.grad_write_s = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "read_s": self.read_s,
-                "write_s": self.write_s}
+        return {k: getattr(self, k) for k in ("read_bytes", "write_bytes", "read_s", "write_s", "grad_read_bytes",
+                                              "grad_write_bytes", "grad_read_s", "grad_write_s")}
 
 
 class OptimizerSwapper:
@@ -98,20 +110,24 @@ class OptimizerSwapper:
 
     def write_grad(self, i: int, offset: int, value: torch.Tensor) -> None:
         """Write ``value`` (fp32) at element ``offset`` of sub-group ``i``'s gradient file, and wait."""
+        start = time.perf_counter()
         try:
             self.writer.sync_pwrite(value.contiguous(), self.path(i, GRAD), offset * 4, whole_file=False)
         except AioError as exc:
             raise annotate(exc, f"swap out gradient of optimizer sub-group {i}") from None
-        self.stats.write_bytes += value.numel() * 4
+        self.stats.grad_write_bytes += value.numel() * 4
+        self.stats.grad_write_s += time.perf_counter() - start
 
     def read_grad(self, i: int, offset: int, numel: int) -> torch.Tensor:
         """``numel`` fp32 elements from element ``offset`` of sub-group ``i``'s gradient file."""
         out = torch.empty(numel, dtype=torch.float32)
+        start = time.perf_counter()
         try:
             self.reader.sync_pread(out, self.path(i, GRAD), offset * 4)
         except AioError as exc:
             raise annotate(exc, f"swap in gradient of optimizer sub-group {i}") from None
-        self.stats.read_bytes += numel * 4
+        self.stats.grad_read_bytes += numel * 4
+        self.stats.grad_read_s += time.perf_counter() - start
         return out
 
     # ---- whole sub-groups (initialisation, checkpoints) ---------------------------------------------------
@@ -134,6 +150,7 @@ class OptimizerSwapper:
             for i, make in items:
                 self.write_now(i, {MASTER: make()})
             return
+        counted = self.stats.as_dict()  # these writes overlap the preparation: their waits are no bandwidth
         busy: list[torch.Tensor] = []
         for i, make in items:
             buffer = self.pool.get()
@@ -151,6 +168,7 @@ class OptimizerSwapper:
         self._wait(self.writer, "swap out optimizer masters", write=True)
         for b in busy:
             self.pool.put(b)
+        self.stats.write_bytes, self.stats.write_s = counted["write_bytes"], counted["write_s"]
 
     # ---- the streamed step ----------------------------------------------------------------------------------
     def run(self, ids: list[int], step: StepFn) -> None:
@@ -240,12 +258,14 @@ class OptimizerSwapper:
             raise ValueError(f"optimizer swapper: sub-group {i}'s tensors {sorted(tensors)} have no '{MASTER}'")
         numel = tensors[MASTER].numel()
         tensors = {name: t for name, t in tensors.items() if name != GRAD}  # read for the step, never written back
+        on_disk = set(self.names.get(i, ())) if self.numels.get(i) == numel else set()
         for name, t in tensors.items():
             if t.numel() != numel or t.dtype != torch.float32:
                 raise ValueError(f"optimizer swapper: sub-group {i}'s {name!r} is {t.dtype} x {t.numel()}, the "
                                  f"master float32 x {numel}")
             try:
-                self.writer.async_pwrite(t.contiguous(), self.path(i, name))
+                # a file of this size exists: overwrite it (see the module docstring); else create it whole
+                self.writer.async_pwrite(t.contiguous(), self.path(i, name), whole_file=name not in on_disk)
             except AioError as exc:
                 raise annotate(exc, f"swap out optimizer sub-group {i} ({name})") from None
             self.stats.write_bytes += t.numel() * t.element_size()

@@ -55,6 +55,8 @@ class ParamSwapper:
         self.resident: dict[int, tuple[Any, torch.Tensor]] = {}  # ds_id -> (param, buffer), read done
         self.reading: dict[int, tuple[Any, torch.Tensor]] = {}  # ds_id -> (param, buffer), read in flight
         self._writes: list[torch.Tensor] = []  # sources of writes in flight (kept alive until flush)
+        self._on_disk: dict[int, int] = {}  # ds_id -> bytes of its file: rewrites of that size go in place
+        self._writing: set[int] = set()  # ds_ids with a write in flight
         self.read_bytes = self.write_bytes = 0
 
     def path(self, param: Any) -> str:
@@ -209,12 +211,20 @@ class ParamSwapper:
         self._write(param, value, wait)
 
     def _write(self, param: Any, value: torch.Tensor, wait: bool) -> None:
+        nbytes = value.numel() * value.element_size()
+        # the first write creates the file whole; later ones of the same size overwrite it (no create, reserve
+        # and rename per write: see ds_zero.swap.optimizer_swapper)
+        in_place = self._on_disk.get(param.ds_id) == nbytes
+        if param.ds_id in self._writing:  # two in-place writes of one file in flight could interleave blocks
+            self.flush()
         try:
-            self.writer.async_pwrite(value, self.path(param))
+            self.writer.async_pwrite(value, self.path(param), whole_file=not in_place)
         except AioError as exc:
             raise annotate(exc, f"swap out parameter partition {param.ds_id}") from None
-        self.write_bytes += value.numel() * value.element_size()
+        self._on_disk[param.ds_id] = nbytes
+        self.write_bytes += nbytes
         self._writes.append(value)
+        self._writing.add(param.ds_id)
         if wait:
             self.flush()
 
@@ -226,6 +236,7 @@ class ParamSwapper:
             raise annotate(exc, "swap out parameter partitions") from None
         finally:
             self._writes.clear()
+            self._writing.clear()
 
     def release_all(self) -> None:
         """Drop every resident or prefetched partition (end of a pass: a stale prefetch must not hold buffers)."""
