@@ -198,31 +198,17 @@ def load_stage0_optimizer(wrapper: Any, params: Sequence[torch.nn.Parameter], na
                           load: Any) -> None:
     """Fill a ZeRO-0 optimizer wrapper (``FP32Optimizer``) from the ``zero/<name>/`` folders: ``load`` (the AutoTP
     universal reader) returns this rank's shard of each value and moment; mixed-precision masters take fp32.pt."""
-    from ds_zero.checkpoint import check_universal_folders, read_universal, read_universal_common, universal_keys
+    from deepspeed.checkpoint.universal import stage0_optimizer_state
+    from ds_zero.checkpoint import read_universal
 
-    check_universal_folders(ctx.tag_dir, list(names))
-    common = read_universal_common(ctx, load)
-    state: dict[int, dict[str, Any]] = {}
     masters = getattr(wrapper, "master_of", {})
-    for i, (name, param) in enumerate(zip(names, params, strict=True)):
+    for name, param in zip(names, params, strict=True):
         if param in masters:
             with torch.no_grad():
                 masters[param].copy_(read_universal(ctx, load, name, "fp32", param.numel()).view(param.shape))
-        entry = {key: read_universal(ctx, load, name, key, param.numel()).view(param.shape)
-                 for key in universal_keys(ctx.tag_dir, [name], True) if key != "fp32"}
-        step = os.path.join(ZERO, name, "step.pt")
-        if entry and os.path.isfile(os.path.join(ctx.tag_dir, step)):
-            entry["step"] = load(step)
-        if entry:
-            state[i] = entry
-    current = wrapper.optimizer.state_dict()["param_groups"]
-    saved = common.get("param_groups") or current
-    if len(saved) != len(current):
-        raise ValueError(f"{ctx.tag_dir}: the checkpoint's optimizer has {len(saved)} parameter groups, this one "
-                         f"{len(current)}")
-    groups = [{**{k: v for k, v in old.items() if k != "params"}, "params": now["params"]}
-              for old, now in zip(saved, current, strict=True)]
-    restored: dict[str, Any] = {"optimizer_state_dict": {"state": state, "param_groups": groups}}
+    optimizer_state, common = stage0_optimizer_state(ctx, load, list(names), list(params),
+                                                     wrapper.optimizer.state_dict()["param_groups"])
+    restored: dict[str, Any] = {"optimizer_state_dict": optimizer_state}
     if common.get("loss_scaler"):
         restored["loss_scaler"] = common["loss_scaler"]
     wrapper.load_state_dict(restored)

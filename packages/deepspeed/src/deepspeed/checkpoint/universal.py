@@ -73,3 +73,30 @@ def load_stage0_universal(state: Any, ctx: Any, load: Callable[[str], Any]) -> N
     found = stage0_optimizer(state.optimizer, state.module)
     if found is not None:
         load_stage0_optimizer(*found, ctx, load)
+
+
+def stage0_optimizer_state(ctx: Any, load: Callable[[str], Any], names: list[str], params: list[Any],
+                           current_groups: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The wrapped optimizer's state dict of a ZeRO-0 (``FP32Optimizer``) engine, read from the universal folders of
+    ``names`` (one per entry of ``params``, in the optimizer's order), and the folders' common state. The saved
+    hyper-parameters of each group are kept; its ``params`` indices are the current optimizer's."""
+    from ds_zero.checkpoint import check_universal_folders, read_universal, read_universal_common, universal_keys
+
+    check_universal_folders(ctx.tag_dir, list(names))
+    common = read_universal_common(ctx, load)
+    state: dict[int, dict[str, Any]] = {}
+    for i, (name, param) in enumerate(zip(names, params, strict=True)):
+        entry = {key: read_universal(ctx, load, name, key, param.numel()).view(param.shape)
+                 for key in universal_keys(ctx.tag_dir, [name], True) if key != "fp32"}
+        step = os.path.join("zero", name, "step.pt")
+        if entry and os.path.isfile(os.path.join(ctx.tag_dir, step)):
+            entry["step"] = load(step)
+        if entry:
+            state[i] = entry
+    saved = common.get("param_groups") or current_groups
+    if len(saved) != len(current_groups):
+        raise CheckpointError(f"{ctx.tag_dir}: the checkpoint's optimizer has {len(saved)} parameter groups, this "
+                              f"one {len(current_groups)}")
+    groups = [{**{k: v for k, v in old.items() if k != "params"}, "params": now["params"]}
+              for old, now in zip(saved, current_groups, strict=True)]
+    return {"state": state, "param_groups": groups}, common

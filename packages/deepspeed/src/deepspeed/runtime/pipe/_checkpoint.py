@@ -230,7 +230,8 @@ def _load_universal(engine: Any, load_dir: str, tag: Any, load_module_strict: bo
 
 def _universal_optimizer_state(engine: Any, tag_dir: str) -> dict[str, Any]:
     """A stage-0 wrapper's state dict (``FP32Optimizer``) built from the universal folders of its parameters."""
-    from ds_zero.checkpoint import check_universal_folders, read_universal, read_universal_common, universal_keys
+    from deepspeed.checkpoint.universal import stage0_optimizer_state
+    from ds_zero.checkpoint import read_universal
 
     ctx = types.SimpleNamespace(tag_dir=tag_dir)  # what the universal readers use
     trusted = checkpointing.as_engine_state(engine).trusted_load
@@ -240,25 +241,9 @@ def _universal_optimizer_state(engine: Any, tag_dir: str) -> dict[str, Any]:
 
     names = _optimizer_param_names(engine)
     params = _optimizer_model_params(engine.optimizer)
-    check_universal_folders(ctx.tag_dir, names)
-    common = read_universal_common(ctx, load)
-    state: dict[int, dict[str, Any]] = {}
-    for i, (name, param) in enumerate(zip(names, params, strict=True)):
-        entry = {key: read_universal(ctx, load, name, key, param.numel()).view(param.shape)
-                 for key in universal_keys(ctx.tag_dir, [name], True) if key != "fp32"}
-        step = os.path.join(ctx.tag_dir, "zero", name, "step.pt")
-        if entry and os.path.isfile(step):
-            entry["step"] = load(os.path.join("zero", name, "step.pt"))
-        if entry:
-            state[i] = entry
-    current = engine.optimizer.optimizer.state_dict()["param_groups"]
-    saved = common.get("param_groups") or current
-    if len(saved) != len(current):
-        raise CheckpointError(f"{ctx.tag_dir}: the checkpoint's optimizer has {len(saved)} parameter groups, this "
-                              f"one {len(current)}")
-    groups = [{**{k: v for k, v in old.items() if k != "params"}, "params": now["params"]}
-              for old, now in zip(saved, current, strict=True)]
-    result: dict[str, Any] = {"optimizer_state_dict": {"state": state, "param_groups": groups}}
+    optimizer_state, common = stage0_optimizer_state(ctx, load, names, params,
+                                                     engine.optimizer.optimizer.state_dict()["param_groups"])
+    result: dict[str, Any] = {"optimizer_state_dict": optimizer_state}
     if hasattr(engine.optimizer, "master_of"):
         result["fp32_master_weights"] = [read_universal(ctx, load, name, "fp32", p.numel()).view(p.shape)
                                          for name, p in zip(names, params, strict=True)]
