@@ -10,6 +10,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.config": "ds_config.zero",
     "deepspeed.runtime.zero.offload_config": "ds_config.zero",
     "deepspeed.inference.config": "ds_config.inference",
+    "deepspeed.runtime.config_utils": "ds_config.config_utils",  # DeepSpeedConfigModel & helpers
     "deepspeed.inference.engine": "ds_inference.engine",  # init_inference's engine (ds-inference, issue 16)
     "deepspeed.monitor.config": "ds_config.monitor",
     # monitors (ds-monitor); deepspeed.monitor itself stays a namespace, as DeepSpeed's empty package
