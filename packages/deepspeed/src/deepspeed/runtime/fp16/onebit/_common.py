@@ -78,7 +78,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     communicates_gradients = True  # the engine must not all-reduce gradients for these optimizers
 
-    def _init_comm(self, deepspeed: Any, cuda_aware: bool, comm_backend_name: str) -> None:
+    variant = ""  # the name DeepSpeed's messages use ("1-bit Adam")
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, deepspeed: Any, cuda_aware: bool,
+                 comm_backend_name: str, eps_inside_sqrt: bool, amsgrad: bool) -> None:
+        if amsgrad:
+            raise RuntimeError(f"{self.variant} does not support the AMSGrad variant.")
+        super().__init__(params, defaults)
+        self.eps_mode = 0 if eps_inside_sqrt else 1
         self.deepspeed = deepspeed
         self.cuda_aware = bool(cuda_aware)
         self.comm_backend_name = comm_backend_name

@@ -28,20 +28,19 @@ class OnebitAdam(OnebitOptimizer):
     matters for DeepSpeed's MPI backend; ``comm_backend_name`` other than nccl/hccl logs a note (see ``_common``).
     """
 
+    variant = "1-bit Adam"
+
     def __init__(self, params: Iterable, deepspeed: Any = None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl") -> None:
-        if amsgrad:
-            raise RuntimeError("1-bit Adam does not support the AMSGrad variant.")
         if int(freeze_step) < 0:
             raise ValueError(f"freeze_step must be >= 0, got {freeze_step}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults)
-        self._init_comm(deepspeed, cuda_aware, comm_backend_name)
+        super().__init__(params, defaults, deepspeed=deepspeed, cuda_aware=cuda_aware,
+                         comm_backend_name=comm_backend_name, eps_inside_sqrt=eps_inside_sqrt, amsgrad=amsgrad)
         self.freeze_step = int(freeze_step)
-        self.eps_mode = 0 if eps_inside_sqrt else 1
         self.adam_freeze_key = False  # True once compression is on (DeepSpeed's attribute name)
 
     @torch.no_grad()

@@ -34,14 +34,14 @@ class OnebitLamb(OnebitOptimizer):
     ``comm_backend_name`` as for ``OnebitAdam``. ``lamb_coeffs`` / ``get_lamb_coeffs()``: the last step's
     coefficients, one per parameter."""
 
+    variant = "1-bit Lamb"
+
     def __init__(self, params: Iterable, deepspeed: Any = None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "nccl", coeff_beta: float = 0.9, factor_max: float = 4.0,
                  factor_min: float = 0.5, factor_threshold: float = 0.1) -> None:
-        if amsgrad:
-            raise RuntimeError("1-bit Lamb does not support the AMSGrad variant.")
         if int(freeze_step) < 0:
             raise ValueError(f"freeze_step must be >= 0, got {freeze_step}")
         if not 0 < min_coeff <= max_coeff or not 0 < factor_min <= factor_max:
@@ -49,9 +49,8 @@ class OnebitLamb(OnebitOptimizer):
                              f"{min_coeff}, {max_coeff}, {factor_min}, {factor_max}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults)
-        self._init_comm(deepspeed, cuda_aware, comm_backend_name)
-        self.eps_mode = 0 if eps_inside_sqrt else 1
+        super().__init__(params, defaults, deepspeed=deepspeed, cuda_aware=cuda_aware,
+                         comm_backend_name=comm_backend_name, eps_inside_sqrt=eps_inside_sqrt, amsgrad=amsgrad)
         self.freeze_step = int(freeze_step)
         self.coeff_beta = float(coeff_beta)
         self.factor_max = float(factor_max)

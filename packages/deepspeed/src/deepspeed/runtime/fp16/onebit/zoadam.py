@@ -38,13 +38,13 @@ class ZeroOneAdam(OnebitOptimizer):
     and ``max_grad_norm`` are accepted and ignored as in DeepSpeed; ``deepspeed``, ``cuda_aware`` and
     ``comm_backend_name`` as for ``OnebitAdam``."""
 
+    variant = "0/1 Adam"
+
     def __init__(self, params: Iterable, deepspeed: Any = None, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0, var_freeze_step: int = 100000,
                  var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl") -> None:
-        if amsgrad:
-            raise RuntimeError("0/1 Adam does not support the AMSGrad variant.")
         if int(var_freeze_step) < 0:
             raise ValueError(f"var_freeze_step must be >= 0, got {var_freeze_step}")
         for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
@@ -53,9 +53,8 @@ class ZeroOneAdam(OnebitOptimizer):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults)
-        self._init_comm(deepspeed, cuda_aware, comm_backend_name)
-        self.eps_mode = 0 if eps_inside_sqrt else 1
+        super().__init__(params, defaults, deepspeed=deepspeed, cuda_aware=cuda_aware,
+                         comm_backend_name=comm_backend_name, eps_inside_sqrt=eps_inside_sqrt, amsgrad=amsgrad)
         self.var_freeze_step = int(var_freeze_step)
         self.var_update_scaler = int(var_update_scaler)
         self.local_step_scaler = int(local_step_scaler)
