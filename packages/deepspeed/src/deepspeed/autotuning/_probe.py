@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepspeed.runtime.checkpointing._atomic import atomic_write_text
+
 logger = logging.getLogger("deepspeed.autotuning")
 
 
@@ -153,12 +155,7 @@ class AutotuningProbe:
         if self.engine.global_rank != 0:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())  # atomic (GUIDE 9): the Autotuner reads it once the ranks are gone
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(data, indent=2))  # the Autotuner reads it once the ranks are gone
         logger.info("autotuning: wrote %s", os.path.abspath(path))
 
     def _exit(self, what: str) -> None:

@@ -326,7 +326,8 @@ def _without_paths(ds_config: dict | None) -> dict | None:
 
 
 def write_text(path: str, text: str) -> None:
-    """Atomic write (GUIDE 9): a temporary name, fsync, rename; a reader never sees half a file."""
+    """Atomic write (GUIDE 9): a temporary name, fsync, rename; a reader never sees half a file. Not
+    ``runtime.checkpointing._atomic``: importing that package loads torch, and the launcher side stays torch-free."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:
