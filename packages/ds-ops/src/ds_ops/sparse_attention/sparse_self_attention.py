@@ -110,7 +110,10 @@ class SparseSelfAttention(nn.Module):
         bsz, num_heads, tgt_len, head_dim = query.size()
         key = self.transpose_key_for_scores(key, tgt_len)
         if query.shape != key.shape or key.shape != value.shape:
-            raise NotImplementedError('only self-attention is supported for now')
+            # DeepSpeed's exception type, so scripts that catch it keep working; the message says what was given
+            raise NotImplementedError(f"SparseSelfAttention: only self-attention is supported for now: query, key "
+                                      f"and value must have one shape [batch, heads, seq, head_dim]; got query "
+                                      f"{list(query.shape)}, key {list(key.shape)}, value {list(value.shape)}")
         if num_heads != self.master_layout.shape[0]:
             raise ValueError(f"query has {num_heads} heads but the sparsity config has {self.master_layout.shape[0]}")
         if key_padding_mask is not None:
