@@ -20,9 +20,12 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _causal_sdpa(batch_dim_idx: int):
-    """Local attention over [s, b, h, d] (batch_dim_idx=1) or [b, s, h, d] (0), causal over the sequence."""
+    """Local attention over [s, b, h, d] (batch_dim_idx=1) or [b, s, h, d] (0), causal over the sequence; with
+    fewer key/value heads than query heads, query head j attends with key/value head j // group (GQA)."""
 
     def attend(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if batch_dim_idx == 1 else (lambda t: t.transpose(1, 2))
         out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), is_causal=True)
         return out.permute(2, 0, 1, 3) if batch_dim_idx == 1 else out.transpose(1, 2)
@@ -35,12 +38,16 @@ def _rotate(t, cos, sin):  # reference rotary embedding, written independently o
     return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
 
-def _attention_matches(batch_dim_idx: int, heads: int, rotary: bool) -> None:
+def _attention_matches(batch_dim_idx: int, heads: int, rotary: bool, kv_heads: int | None = None,
+                       layer_kwargs: dict | None = None) -> None:
+    """Sharded outputs and q/k/v gradients equal the one-rank attention sliced along the sequence."""
     rank, world = dist.get_rank(), dist.get_world_size()
     seq, batch, dim = 8, 2, 8
     gen = torch.Generator().manual_seed(0)
     shape = (seq, batch, heads, dim) if batch_dim_idx == 1 else (batch, seq, heads, dim)
-    q, k, v, upstream = (torch.randn(shape, generator=gen) for _ in range(4))
+    kv_shape = shape[:2] + (kv_heads or heads, dim)
+    q, upstream = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k, v = torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen)
     seq_dim = 1 - batch_dim_idx
     attend = _causal_sdpa(batch_dim_idx)
     rope = None
@@ -57,7 +64,7 @@ def _attention_matches(batch_dim_idx: int, heads: int, rotary: bool) -> None:
     expected.backward(upstream)
 
     local = [t.chunk(world, dim=seq_dim)[rank].clone().requires_grad_() for t in (q, k, v)]
-    layer = DistributedAttention(attend, dist.group.WORLD)
+    layer = DistributedAttention(attend, dist.group.WORLD, **(layer_kwargs or {}))
     out = layer(*local, batch_dim_idx, rope)
     out.backward(upstream.chunk(world, dim=seq_dim)[rank])
 
@@ -71,6 +78,16 @@ def test_two_ranks_equal_one_rank_outputs_and_input_gradients(batch_dim_idx):
     run_distributed(_attention_matches, world_size=2, args=(batch_dim_idx, 4, False), timeout=60)
 
 
+@pytest.mark.parametrize(("batch_dim_idx", "gather_idx"), [(0, 1), (0, 0), (1, 0), (1, 1)],
+                         ids=["bshd_gather1", "bshd_gather0", "sbhd_gather0", "sbhd_gather1"])
+def test_layout_follows_batch_dim_idx_not_gather_idx(batch_dim_idx, gather_idx):
+    """DeepSpeed's rule: batch_dim_idx alone says where the sequence is; gather_idx only says the direction of
+    the way back. [b, s/P, h, d] with scatter_idx=2, gather_idx=1 (the batch-first spelling) used to gather
+    along the batch and return wrong values without an error."""
+    kwargs = {"scatter_idx": 2, "gather_idx": gather_idx}
+    run_distributed(_attention_matches, world_size=2, args=(batch_dim_idx, 4, False, None, kwargs), timeout=60)
+
+
 @pytest.mark.parametrize("batch_dim_idx", [0, 1], ids=["batch_first", "seq_first"])
 def test_four_ranks_and_rotary_embedding(batch_dim_idx):
     run_distributed(_attention_matches, world_size=4, args=(batch_dim_idx, 4, True), timeout=60)
@@ -78,6 +95,60 @@ def test_four_ranks_and_rotary_embedding(batch_dim_idx):
 
 def test_one_rank_is_plain_attention():
     run_distributed(_attention_matches, world_size=1, args=(1, 3, True), timeout=60)
+
+
+@pytest.mark.parametrize("batch_dim_idx", [0, 1], ids=["batch_first", "seq_first"])
+def test_uneven_heads_split_over_two_ranks(batch_dim_idx):
+    """3 heads over 2 ranks: rank 0 attends over heads 0-1, rank 1 over head 2 (DeepSpeed's uneven path)."""
+    run_distributed(_attention_matches, world_size=2, args=(batch_dim_idx, 3, False), timeout=60)
+
+
+@pytest.mark.parametrize(("batch_dim_idx", "world", "heads", "kv_heads"),
+                         [(0, 2, 6, 3), (1, 2, 6, 3), (1, 4, 10, 5), (0, 4, 8, 4), (1, 2, 8, 2)],
+                         ids=["bshd_P2_6q3kv", "sbhd_P2_6q3kv", "sbhd_P4_10q5kv", "bshd_P4_8q4kv", "sbhd_P2_8q2kv"])
+def test_grouped_query_attention_keeps_each_query_head_with_its_kv_group(batch_dim_idx, world, heads, kv_heads):
+    """GQA: key/value heads dealt first (uneven when they do not divide by P), each rank's query heads are the
+    ones of its key/value groups; outputs and gradients equal one-rank GQA attention."""
+    run_distributed(_attention_matches, world_size=world, args=(batch_dim_idx, heads, True, kv_heads), timeout=90)
+
+
+def _explicit_num_kv_heads() -> None:
+    """num_kv_heads given to the layer: it decides the partition (here 3 kv heads over 2 ranks)."""
+    _attention_matches(1, 6, False, 3, {"num_kv_heads": 3})
+
+
+def test_explicit_num_kv_heads():
+    run_distributed(_explicit_num_kv_heads, world_size=2, timeout=60)
+
+
+def _head_placement(batch_dim_idx: int) -> list[list[int]]:
+    """After the first exchange each rank sees the full sequence of a contiguous block of heads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    heads, seq_local, batch = 5, 2, 3
+    seq_dim = 1 - batch_dim_idx
+    # element value = 100 * global position + head, constant over batch and head_dim
+    pos = torch.arange(seq_local) + rank * seq_local
+    value = (100 * pos[:, None] + torch.arange(heads)[None, :]).float()  # [s/P, h]
+    shape = (seq_local, batch, heads, 2) if batch_dim_idx == 1 else (batch, seq_local, heads, 2)
+    x = value.unsqueeze(1 - seq_dim).unsqueeze(-1).expand(shape).contiguous()
+    seen = {}
+
+    def capture(q, k, v):
+        seen["q"] = q
+        return q
+
+    out = DistributedAttention(capture, dist.group.WORLD)(x, x, x, batch_dim_idx)
+    torch.testing.assert_close(out, x, rtol=0, atol=0)  # the way back undoes the first exchange exactly
+    q = seen["q"]
+    assert q.shape[seq_dim] == seq_local * world
+    positions = q.select(1 - seq_dim, 0)[..., 0] // 100  # [s, local heads]
+    assert torch.equal(positions[:, 0], torch.arange(seq_local * world).float())
+    return (q.select(1 - seq_dim, 0)[0, :, 0] % 100).int().tolist()
+
+
+@pytest.mark.parametrize("batch_dim_idx", [0, 1], ids=["batch_first", "seq_first"])
+def test_heads_dealt_in_contiguous_blocks_first_ranks_one_more(batch_dim_idx):
+    assert run_distributed(_head_placement, world_size=2, args=(batch_dim_idx,), timeout=60) == [[0, 1, 2], [3, 4]]
 
 
 class _Block(torch.nn.Module):
@@ -150,22 +221,28 @@ def test_block_trained_with_half_the_sequence_per_rank_follows_the_one_rank_loss
 
 def _errors() -> None:
     layer = DistributedAttention(_causal_sdpa(1), dist.group.WORLD)
-    q = torch.randn(4, 2, 3, 8)  # 3 heads over 2 ranks
-    with pytest.raises(ValueError, match=r"number of heads of query \(3, dim 2\) must be divisible by the "
-                                         r"sequence parallel size \(2\)"):
-        layer(q, q, q, 1)
+    q = torch.randn(4, 2, 4, 8)
     with pytest.raises(ValueError, match="batch_dim_idx must be 0"):
         layer(q, q, q, 2)
     with pytest.raises(ValueError, match="expected 4 dims"):
         layer(q[..., 0, 0], q[..., 0, 0], q[..., 0, 0], 1)
-    with pytest.raises(ValueError, match="number of heads of key"):  # checked before any rank communicates
-        layer(torch.randn(4, 2, 4, 8), q, q, 1)
+    one_head = torch.randn(4, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"num_kv_heads \(1\) must be at least the sequence parallel size \(2\)"):
+        layer(q, one_head, one_head, 1)
+    with pytest.raises(ValueError, match=r"heads of query \(5\) must be a multiple of num_kv_heads \(3\)"):
+        layer(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 3, 8), torch.randn(4, 2, 3, 8), 1)
+    with pytest.raises(ValueError, match=r"heads of value \(3\) must be divisible"):  # before any communication
+        layer(q, q, torch.randn(4, 2, 3, 8), 1)
 
 
 def test_errors():
     run_distributed(_errors, world_size=2, timeout=60)
-    with pytest.raises(ValueError, match="scatter_idx and gather_idx must differ"):
-        DistributedAttention(_causal_sdpa(1), None, scatter_idx=0, gather_idx=0)
+    with pytest.raises(ValueError, match=r"one of scatter_idx \(0\) and gather_idx \(1\) must be the heads dim"):
+        DistributedAttention(_causal_sdpa(1), None, scatter_idx=0, gather_idx=1)
+    with pytest.raises(ValueError, match="scatter_idx"):
+        DistributedAttention(_causal_sdpa(1), None, scatter_idx=2, gather_idx=2)
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive integer"):
+        DistributedAttention(_causal_sdpa(1), None, num_kv_heads=0)
 
 
 def test_package_surface():

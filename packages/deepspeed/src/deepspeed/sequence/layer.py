@@ -3,13 +3,19 @@
 ``DistributedAttention`` wraps any attention callable ``local_attention(q, k, v, *args, **kwargs)``. Its inputs
 are sequence shards, ``[s/P, b, h, d]`` (``batch_dim_idx=1``) or ``[b, s/P, h, d]`` (``batch_dim_idx=0``). An
 all-to-all over the sequence group scatters the heads and gathers the sequence, so the local attention sees the
-full sequence for ``h/P`` heads; a second all-to-all sends the result back to ``[s/P, ..., h, d]``. The
-exchange is differentiable: its gradient is the same exchange with scatter and gather swapped.
+full sequence for its share of the heads; a second all-to-all sends the result back to the input's layout. The
+exchange is differentiable: its gradient is the same exchange run the other way.
 
-``scatter_idx`` / ``gather_idx`` are dimensions of the sequence-first layout ``[s, b, h, d]``, as in DeepSpeed
-(defaults: scatter the heads, dim 2; gather the sequence, dim 0); with ``batch_dim_idx=0`` dims 0 and 1 are read
-swapped, so the defaults mean the same thing in either layout. Every rank must hold the same number of tokens,
-and the head count must divide by the group size (DeepSpeed's uneven-head partition is not built).
+Layout rule (DeepSpeed's): the layout comes from ``batch_dim_idx`` alone (sequence on dim ``1 - batch_dim_idx``,
+heads on dim 2), and ``scatter_idx`` only says the direction: ``scatter_idx < 2`` scatters the sequence and
+gathers the heads, anything else scatters the heads and gathers the sequence. ``gather_idx`` is the direction
+of the way back, so it does not relabel the batch dimension: ``scatter_idx=2, gather_idx=1`` with
+``[b, s/P, h, d]`` and ``batch_dim_idx=0`` gathers the sequence, as in DeepSpeed.
+
+Heads are dealt by key/value group (``_HeadPartition``): with ``num_kv_heads`` (default: the key's head count)
+divisible by the group size every rank gets an equal contiguous block; otherwise the first ``num_kv_heads % P``
+ranks get one key/value head more, and each query head goes with its key/value group (GQA), as DeepSpeed's
+uneven-head path does.
 """
 
 from __future__ import annotations
@@ -24,38 +30,91 @@ from torch.nn import Module
 from deepspeed import comm
 
 
-def _exchange(x: Tensor, scatter_dim: int, gather_dim: int, group: Any) -> Tensor:
-    """All-to-all: split ``x`` into P chunks along ``scatter_dim``, send chunk i to rank i, and concatenate
-    the chunks received along ``gather_dim`` in rank order."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    size = x.shape[scatter_dim]
-    if size % world != 0:
-        raise ValueError(f"DistributedAttention: dimension {scatter_dim} of a {tuple(x.shape)} tensor ({size}) "
-                         f"must be divisible by the sequence parallel size ({world})")
-    send = x.unflatten(scatter_dim, (world, size // world)).movedim(scatter_dim, 0).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send, group=group)
-    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+class _HeadPartition:
+    """Which ranks hold which heads: contiguous blocks of key/value groups over ``world`` ranks."""
+
+    def __init__(self, kv_heads: int, world: int) -> None:
+        if kv_heads < world:
+            raise ValueError(f"DistributedAttention: num_kv_heads ({kv_heads}) must be at least the sequence "
+                             f"parallel size ({world}); a smaller count leaves a rank with no head to attend over")
+        self.kv_heads, self.world = kv_heads, world
+        self.even = kv_heads % world == 0
+        self.kv_counts = [kv_heads // world + (1 if r < kv_heads % world else 0) for r in range(world)]
+
+    def counts(self, heads: int, name: str) -> list[int]:
+        """Heads per rank for a tensor of ``heads`` heads in all."""
+        if self.even:
+            if heads % self.world != 0:
+                raise ValueError(f"DistributedAttention: the number of heads of {name} ({heads}) must be divisible "
+                                 f"by the sequence parallel size ({self.world}) when num_kv_heads "
+                                 f"({self.kv_heads}) is")
+            return [heads // self.world] * self.world
+        if heads % self.kv_heads != 0:
+            raise ValueError(f"DistributedAttention: the number of heads of {name} ({heads}) must be a multiple of "
+                             f"num_kv_heads ({self.kv_heads}) to split {self.kv_heads} key/value heads unevenly "
+                             f"over {self.world} ranks")
+        return [heads * c // self.kv_heads for c in self.kv_counts]
+
+    def total(self, local: int, rank: int, name: str) -> int:
+        """The head count over all ranks of a tensor whose shard on ``rank`` holds ``local`` heads."""
+        if self.even:
+            return local * self.world
+        share = self.kv_counts[rank]
+        if (local * self.kv_heads) % share != 0:
+            raise ValueError(f"DistributedAttention: {name} holds {local} heads on rank {rank}, which is not a "
+                             f"whole number of heads per key/value group for its {share} of num_kv_heads="
+                             f"{self.kv_heads}")
+        return local * self.kv_heads // share
+
+
+def _splits(counts: list[int]) -> list[int] | None:
+    return None if len(set(counts)) == 1 else counts
+
+
+def _to_heads(x: Tensor, seq_dim: int, counts: list[int], group: Any) -> Tensor:
+    """``[.., s/P, .., H, d]`` -> ``[.., s, .., counts[rank], d]``: rank r receives heads of block r of
+    every rank's sequence chunk, and concatenates the chunks in rank order."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    send = x.movedim(2, 0).contiguous()  # [H, d0, d1, d]: one block of heads per destination
+    recv = send.new_empty((world * counts[rank],) + tuple(send.shape[1:]))
+    splits = _splits(counts)
+    comm.all_to_all_single(recv, send, output_split_sizes=None if splits is None else [counts[rank]] * world,
+                           input_split_sizes=splits, group=group)
+    recv = recv.unflatten(0, (world, counts[rank])).movedim(1, 3)  # [P(source), d0, d1, n, d]
+    return recv.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
+
+
+def _to_sequence(x: Tensor, seq_dim: int, counts: list[int], group: Any) -> Tensor:
+    """``[.., s, .., counts[rank], d]`` -> ``[.., s/P, .., H, d]``: the inverse of ``_to_heads``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq = x.shape[seq_dim]
+    if seq % world != 0:
+        raise ValueError(f"DistributedAttention: the sequence length ({seq}, dim {seq_dim} of a {tuple(x.shape)} "
+                         f"tensor) must be divisible by the sequence parallel size ({world})")
+    chunks = x.unflatten(seq_dim, (world, seq // world)).movedim(seq_dim, 0)  # [P(destination), d0, d1, n, d]
+    send = chunks.movedim(3, 1).contiguous().flatten(0, 1)
+    recv = send.new_empty((sum(counts),) + tuple(send.shape[1:]))
+    splits = _splits(counts)
+    comm.all_to_all_single(recv, send, output_split_sizes=splits,
+                           input_split_sizes=None if splits is None else [counts[rank]] * world, group=group)
+    return recv.movedim(0, 2)
 
 
 class _SeqAllToAll(torch.autograd.Function):
     """The differentiable exchange; the backward pass exchanges the gradient the opposite way."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return _exchange(x, scatter_dim, gather_dim, group)
+    def forward(ctx: Any, group: Any, x: Tensor, seq_dim: int, counts: list[int], to_heads: bool) -> Tensor:
+        ctx.args = (seq_dim, counts, group)
+        ctx.to_heads = to_heads
+        if dist.get_world_size(group) == 1:
+            return x
+        return (_to_heads if to_heads else _to_sequence)(x, seq_dim, counts, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None, None]:
-        return None, _SeqAllToAll.apply(ctx.group, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
-
-
-def _layout_dim(idx: int, batch_dim_idx: int) -> int:
-    """A dimension of the sequence-first layout ``[s, b, h, d]`` in the tensor's own layout."""
-    return 1 - idx if batch_dim_idx == 0 and idx in (0, 1) else idx
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        seq_dim, counts, group = ctx.args
+        return None, _SeqAllToAll.apply(group, grad, seq_dim, counts, not ctx.to_heads), None, None, None
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -74,40 +133,53 @@ def apply_rotary_pos_emb(t: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Ten
 class DistributedAttention(Module):
     """Ulysses attention: all-to-all around ``local_attention`` over ``sequence_process_group``.
 
-    ``sp_stream`` is accepted for DeepSpeed compatibility (it overlaps the q/k/v exchanges with compute on
-    CUDA); here every exchange runs on the current stream, which gives the same results.
+    ``num_kv_heads``: the key/value head count the heads are dealt by (see the module docstring); default: the
+    key's head count at each call. ``sp_stream`` is accepted for DeepSpeed compatibility (it overlaps the q/k/v
+    exchanges with compute on CUDA); here every exchange runs on the current stream, which gives the same results.
     """
 
     def __init__(self, local_attention: Module, sequence_process_group: Any, scatter_idx: int = 2,
-                 gather_idx: int = 0, sp_stream: Any = None) -> None:
+                 gather_idx: int = 0, sp_stream: Any = None, num_kv_heads: int | None = None) -> None:
         super().__init__()
-        if scatter_idx == gather_idx:
-            raise ValueError(f"DistributedAttention: scatter_idx and gather_idx must differ (both {scatter_idx})")
+        if (scatter_idx < 2) == (gather_idx < 2):
+            raise ValueError(f"DistributedAttention: one of scatter_idx ({scatter_idx}) and gather_idx "
+                             f"({gather_idx}) must be the heads dim (2) and the other a sequence dim (0 or 1): "
+                             f"with both on one side the way back would not undo the first exchange")
+        if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)
+                                         or num_kv_heads < 1):
+            raise ValueError(f"DistributedAttention: num_kv_heads must be a positive integer or None, "
+                             f"got {num_kv_heads!r}")
         self.local_attn = local_attention
         self.spg = sequence_process_group
         self.scatter_idx = scatter_idx
         self.gather_idx = gather_idx
         self.sp_stream = sp_stream
+        self.num_kv_heads = num_kv_heads
         self.sp_overlap_comm = False
 
     def layer_sync(self, layer: Any) -> None:
         """A no-op: communication is not overlapped (see the class docstring)."""
 
-    def _check(self, query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int) -> tuple[int, int]:
+    @staticmethod
+    def _check(tensors: dict[str, Tensor], batch_dim_idx: int) -> int:
         if batch_dim_idx not in (0, 1):
             raise ValueError(f"DistributedAttention: batch_dim_idx must be 0 ([b, s, h, d]) or 1 ([s, b, h, d]), "
                              f"got {batch_dim_idx}")
-        scatter = _layout_dim(self.scatter_idx, batch_dim_idx)
-        gather = _layout_dim(self.gather_idx, batch_dim_idx)
-        world = dist.get_world_size(self.spg)
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() <= max(scatter, gather):
+        for name, t in tensors.items():
+            if t.dim() != 4:
                 raise ValueError(f"DistributedAttention: {name} has shape {tuple(t.shape)}; expected 4 dims "
                                  f"([s/P, b, h, d] or [b, s/P, h, d])")
-            if t.shape[scatter] % world != 0:
-                raise ValueError(f"DistributedAttention: the number of heads of {name} ({t.shape[scatter]}, dim "
-                                 f"{scatter}) must be divisible by the sequence parallel size ({world})")
-        return scatter, gather
+        return 1 - batch_dim_idx
+
+    def _counts(self, tensors: dict[str, Tensor], heads_first: bool) -> tuple[_HeadPartition, list[list[int]]]:
+        """The partition and each tensor's heads per rank, from shapes alone (before any rank communicates)."""
+        world, rank = dist.get_world_size(self.spg), dist.get_rank(self.spg)
+        if heads_first:  # the inputs hold every head
+            part = _HeadPartition(self.num_kv_heads or tensors["key"].shape[2], world)
+            return part, [part.counts(t.shape[2], name) for name, t in tensors.items()]
+        # the inputs hold this rank's heads over the full sequence
+        part = _HeadPartition(self.num_kv_heads or tensors["key"].shape[2] * world, world)
+        return part, [part.counts(part.total(t.shape[2], rank, name), name) for name, t in tensors.items()]
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int, rotary_pos_emb: Any = None,
                 *args: Any, **kwargs: Any) -> Tensor:
@@ -118,12 +190,22 @@ class DistributedAttention(Module):
         DeepSpeed does; used as given for ``batch_dim_idx=0``, where DeepSpeed's permute would not broadcast).
         ``args``/``kwargs`` go to ``local_attention``.
         """
-        scatter, gather = self._check(query, key, value, batch_dim_idx)
-        q, k, v = (_SeqAllToAll.apply(self.spg, t, scatter, gather) for t in (query, key, value))
+        tensors = {"query": query, "key": key, "value": value}
+        seq_dim = self._check(tensors, batch_dim_idx)
+        heads_first = not self.scatter_idx < 2
+        part, counts = self._counts(tensors, heads_first)
+        q, k, v = (_SeqAllToAll.apply(self.spg, t, seq_dim, c, heads_first)
+                   for t, c in zip(tensors.values(), counts, strict=True))
         if rotary_pos_emb is not None:
             cos, sin = rotary_pos_emb
             if batch_dim_idx == 1:
                 cos, sin = cos.permute(1, 0, 2, 3), sin.permute(1, 0, 2, 3)
             q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return _SeqAllToAll.apply(self.spg, context, gather, scatter)
+        self._check({"the attention output": context}, batch_dim_idx)
+        if heads_first:
+            rank = dist.get_rank(self.spg)
+            out_counts = part.counts(part.total(context.shape[2], rank, "the attention output"), "the output")
+        else:
+            out_counts = part.counts(context.shape[2], "the attention output")
+        return _SeqAllToAll.apply(self.spg, context, seq_dim, out_counts, not heads_first)
