@@ -235,12 +235,23 @@ def _is_moe_param(param: torch.Tensor) -> bool:
     return hasattr(param, "allreduce") and not param.allreduce
 
 
+def _expert_group() -> Any:
+    """The largest expert-parallel group (DeepSpeed's choice: it spans every smaller one's ranks)."""
+    if groups._get_max_expert_size() is None:
+        raise RuntimeError("CheckOverflow: expert parameters (allreduce=False) are checked, but no expert-parallel "
+                           "group exists; create them first (MoE layers do at engine start, or "
+                           "deepspeed.utils.groups._create_expert_and_data_parallel(ep_size))")
+    return groups._get_max_expert_parallel_group()
+
+
 class CheckOverflow:
     """Whether any gradient holds inf/nan on any rank that shares the step (DeepSpeed's fp16 overflow check).
 
     The verdict is max-reduced over ``mpu``'s model-parallel group (plus the data-parallel group when the engine
     ``deepspeed`` does not all-reduce gradients in backward), or over the world with ``zero_reduce_scatter``.
-    Expert-parallel groups are not consulted: Mixture of Experts is not part of this version.
+    When any checked parameter is an expert's (``allreduce=False``) it is first max-reduced over the largest
+    expert-parallel group, as in DeepSpeed: each rank holds other experts, so an inf in one rank's expert must
+    skip the step on every rank that steps with it.
     """
 
     def __init__(self, param_groups: Any = None, mpu: Any = None, zero_reduce_scatter: bool = False,
@@ -252,9 +263,12 @@ class CheckOverflow:
         self.has_moe_params = any(_is_moe_param(p) for p in self.params or ())
 
     def check_using_norm(self, norm_group: Sequence[float], reduce_overflow: bool = True) -> bool:
-        """Overflow when any norm is invalid (inf, nan, the -1 marker), on any model-parallel rank."""
+        """Overflow when any norm is invalid (inf, nan, the -1 marker), on any model-parallel rank (and any
+        expert-parallel rank when there are expert parameters)."""
         flag = torch.tensor([float(any(is_invalid_grad_norm(n) for n in norm_group))])
         if dist.is_available() and dist.is_initialized():
+            if self.has_moe_params:
+                flag = _all_reduce(flag, _expert_group(), dist.ReduceOp.MAX)
             if self.mpu is not None:
                 flag = _all_reduce(flag, self.mpu.get_model_parallel_group(), dist.ReduceOp.MAX)
             elif reduce_overflow:
@@ -262,10 +276,12 @@ class CheckOverflow:
         return bool(flag[0].item())
 
     def check(self, param_groups: Any = None) -> bool:
-        params = self.params if param_groups is None else [p for group in param_groups for p in group]
-        if params is None:
-            raise ValueError("CheckOverflow.check: no param_groups given here or at construction")
-        return self.has_overflow(params)
+        if param_groups is None:
+            if self.params is None:
+                raise ValueError("CheckOverflow.check: no param_groups given here or at construction")
+            return self.has_overflow(self.params, has_moe_params=self.has_moe_params)
+        params = [p for group in param_groups for p in group]
+        return self.has_overflow(params, has_moe_params=any(_is_moe_param(p) for p in params))
 
     def has_overflow_serial(self, params: Iterable[torch.Tensor]) -> bool:
         return any(p.grad is not None and bool(self._has_inf_or_nan(p.grad.data, i)) for i, p in enumerate(params))
@@ -279,9 +295,13 @@ class CheckOverflow:
         return getattr(engine, "enable_backward_allreduce", True) is False
 
     def has_overflow(self, params: Iterable[torch.Tensor], has_moe_params: bool | None = None) -> bool:
+        if has_moe_params is None:
+            has_moe_params = self.has_moe_params
         flag = torch.tensor([float(self.has_overflow_serial(params))])
         if not (dist.is_available() and dist.is_initialized()):
             return bool(flag[0].item())
+        if has_moe_params:
+            flag = _all_reduce(flag, _expert_group(), dist.ReduceOp.MAX)
         if self.zero_reduce_scatter:
             flag = _all_reduce(flag, None, dist.ReduceOp.MAX)
         elif self.mpu is not None:
