@@ -355,18 +355,26 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
             if coef != 1.0:
                 grad.mul_(coef)  # the gradient partition is cleared right after the step
             g.master.grad = grad
-        if self._cpu_adam:
-            lp = {id(g.master): g.lp_flat for g in self.groups}  # per torch group: its sub-groups' partitions
-            self.optimizer.step(fp16_param_groups=[[lp[id(m)] for m in pg["params"]]
-                                                   for pg in self.optimizer.param_groups])
-        else:
-            self.optimizer.step()
-            for g in self.groups:
-                g.copy_master_to_lp()
+        self._update(self.groups)
         for g in self.groups:
             g.master.grad = None
         self.partitions_changed()
         return self._stepped()
+
+    def _update(self, groups: list[Z3Group]) -> None:
+        """Step the masters of ``groups`` (their ``grad`` set; every other master has none) and write the new
+        values into the partitions. DeepSpeedCPUAdam writes them in the same pass (its fused copy) when every
+        sub-group has a flat CPU buffer. The swapped step calls this once per sub-group, so a master on NVMe
+        goes through the very kernel call that one in memory does: the fused-copy and plain kernels may round
+        the update differently, and NVMe offload must equal CPU offload bit for bit."""
+        lp = {id(g.master): g.lp_flat for g in self.groups}  # per torch group: its sub-groups' partitions
+        if self._cpu_adam and all(t is not None for t in lp.values()):
+            self.optimizer.step(fp16_param_groups=[[lp[id(m)] for m in pg["params"]]
+                                                   for pg in self.optimizer.param_groups])
+            return
+        self.optimizer.step()  # partitions on NVMe (no flat buffer) are written through by copy_master_to_lp
+        for g in groups:
+            g.copy_master_to_lp()
 
     def _swapped_step(self) -> bool:
         """ZeRO-Infinity's step: the in-memory sub-groups step together, then the swapped ones stream through
@@ -384,10 +392,9 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         for g in resident:
             g.master.grad = self._scaled_grad(g, coef)
         if resident:
-            self.optimizer.step()
+            self._update(resident)
         for g in resident:
             g.master.grad = None
-            g.copy_master_to_lp()
 
         def one(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             g = self.groups[i]
@@ -397,9 +404,8 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                     grad.narrow(0, offset, p.ds_tensor.numel()).zero_()
             self._attach(g, tensors)
             g.master.grad = grad.mul_(coef) if coef != 1.0 else grad
-            self.optimizer.step()
+            self._update([g])
             g.master.grad = None
-            g.copy_master_to_lp()
             return self._detach(g)
 
         self.swapper.run(self.swapped, one)
