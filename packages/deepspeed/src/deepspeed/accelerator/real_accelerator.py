@@ -15,12 +15,33 @@ _ACCELERATORS: dict[str, type[DeepSpeedAccelerator]] = {"cpu": CPU_Accelerator, 
 _current: DeepSpeedAccelerator | None = None
 
 
-def _detect() -> str:
-    """The device type torch would use: its current accelerator if it is CUDA, else the host."""
+def _cuda_fallback_reason() -> str | None:
+    """Why CUDA is passed over although torch names it its accelerator (a CUDA build on a host without a usable
+    GPU); None when torch does not name CUDA or CUDA is usable."""
     found = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if found is not None and found.type == "cuda":
+    if found is None or found.type != "cuda" or torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no NVIDIA driver or no visible GPU"
+    return (f"torch {torch.__version__} is a CUDA {torch.version.cuda or '?'} build but torch.cuda.is_available() "
+            f"is False ({hidden})")
+
+
+def _detect() -> str:
+    """The device type to use when ``DS_ACCELERATOR`` is unset: CUDA when torch can use it, else the host.
+
+    A CUDA build of torch on a machine without a GPU still names CUDA its accelerator; like DeepSpeed, fall back
+    to the CPU there, saying so once per node, instead of failing on the first CUDA call.
+    """
+    if torch.cuda.is_available():
         return "cuda"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    reason = _cuda_fallback_reason()
+    if reason is not None and os.environ.get("LOCAL_RANK", "0") in ("0", "-1"):
+        from deepspeed.utils.logging import logger
+
+        logger.warning(f"accelerator: cpu (auto-detected) because {reason}; set DS_ACCELERATOR=cpu to choose it "
+                       "explicitly, or DS_ACCELERATOR=cuda to require CUDA and fail without it")
+    return "cpu"
 
 
 def _from_name(name: str, source: str) -> DeepSpeedAccelerator:
@@ -29,7 +50,8 @@ def _from_name(name: str, source: str) -> DeepSpeedAccelerator:
             f"{source}={name!r} is not a supported accelerator; choose one of {SUPPORTED_ACCELERATOR_LIST}"
         )
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{source}='cuda' but torch reports no usable CUDA device (torch {torch.__version__})")
+        raise ValueError(f"{source}='cuda' but torch reports no usable CUDA device (torch {torch.__version__}, "
+                         f"torch.cuda.is_available() is False); use {source}='cpu' to run on the host")
     return _ACCELERATORS[name]()
 
 
