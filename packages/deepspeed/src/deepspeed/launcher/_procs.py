@@ -84,7 +84,8 @@ class _Prefixer:
             if not part:
                 continue
             is_end = _LINE_END.fullmatch(part) is not None
-            if self.at_line_start and not is_end:
+            # torch.distributed's excepthook already writes "[rankN]: " before each traceback line: keep one.
+            if self.at_line_start and not is_end and not part.startswith(self.prefix):
                 out += self.prefix
             out += part
             self.at_line_start = is_end
@@ -185,6 +186,7 @@ class RankGroup:
         for rank in self.ranks:
             if signum is not None and rank.proc.poll() is None:
                 _signal_group(rank.proc, signum)
+                _signal_group(rank.proc, signal.SIGCONT)  # a stopped (stalled) rank acts on it now, not at SIGKILL
         deadline = time.monotonic() + self.grace_s
         for rank in self.ranks:
             try:
