@@ -3,13 +3,15 @@ and ``python -m ds_config schema``.
 
 ``validate`` prints a one-line verdict (``OK``, the batch sizes, the warning count); ``--print-resolved`` prints
 the config with every default filled in instead (verdict on stderr), ``--json`` one JSON object for scripts.
-Exit status: 0 valid, 1 invalid config, 2 usage error or unreadable file.
+Exit status: 0 valid, 1 invalid config, 2 usage error or unreadable file, 141 when stdout's reader closed the
+pipe early (``python -m ds_config schema | head``: no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from ds_config.loader import ConfigSourceError, load_config
 from ds_config.schema import config_schema
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_PIPE_CLOSED = 128 + 13  # 128 + SIGPIPE, what `yes | head` leaves for `yes`
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,8 +153,7 @@ def _note_auto(keys: list[str], shown: int = 8) -> None:
           file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+def _run(argv: Sequence[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
@@ -160,6 +162,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(config_schema(), indent=2))
         return EXIT_OK
     return _validate(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (EXIT_PIPE_CLOSED when stdout's reader left early)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # `... | head`: the reader has what it wanted. Point stdout at /dev/null so the interpreter's own flush at
+        # exit does not raise again, and exit as a SIGPIPE-killed tool does.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+            pass
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":
