@@ -171,5 +171,11 @@ def format_summary(record: RunRecord, header: dict[str, str], global_batch: int,
         f" ({memory_kind})")
     if record.sample_text:
         rows["sample"] = record.sample_text
+    return format_rows("summary", rows)
+
+
+def format_rows(title: str, rows: dict[str, str]) -> str:
+    """``title`` then one ``  key   value`` line per row, keys padded to one column (the summary's and the
+    opening lines' layout)."""
     width = max(len(key) for key in rows)
-    return "\n".join(["summary"] + [f"  {key.ljust(width)}  {value}" for key, value in rows.items()])
+    return "\n".join([title] + [f"  {key.ljust(width)}  {value}" for key, value in rows.items()])

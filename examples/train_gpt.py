@@ -9,7 +9,8 @@ Quick check (what tests/deepspeed/test_main_job.py runs): add ``--steps 10 --log
 
 Uses only the documented DeepSpeed API: ``deepspeed.add_config_arguments``, ``deepspeed.initialize(model=...,
 model_parameters=..., training_data=..., config=...)``, ``engine(batch)``, ``engine.backward(loss)``,
-``engine.step()``. Rank 0 prints the step's loss every ``--log_interval`` steps, draws a progress bar (tqdm) when
+``engine.step()``. Rank 0 opens with what the engine runs (ZeRO stage, precision, world size, optimizer, offload
+targets; ``gpt_run_info.py``), prints the step's loss every ``--log_interval`` steps, draws a progress bar (tqdm) when
 the output goes to a terminal (``--progress`` overrides), and closes with a summary (loss first -> last, held-out
 loss, samples/s, peak memory per rank, a generated sample). The engine's own report every ``steps_per_print``
 steps (``loss(avg of last N steps)=``) is the mean over its window, not the step's loss.
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the gpt_* helper mod
 
 from gpt_data import TOKEN_ID, VOCAB, GrammarDataset, decode  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
-from gpt_progress import ProgressBar, RunRecord, format_summary  # noqa: E402
+from gpt_progress import ProgressBar, RunRecord, format_rows, format_summary  # noqa: E402
+from gpt_run_info import run_rows  # noqa: E402
 
 import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
@@ -161,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset, config=_ds_config(args))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:  # what the engine runs, read back from it: --zero_stage and config edits show here
+        flag = "" if args.zero_stage is None else f" with --zero_stage {args.zero_stage}"
+        source = args.deepspeed_config + flag
+        rows = {"config": source, **run_rows(engine, world, dist.get_backend())}
+        print(format_rows("run", rows), flush=True)
     print(f"rank {rank}/{world} ready on {engine.device}: {len(loader)} micro-batches of "
           f"{engine.train_micro_batch_size_per_gpu()} per epoch, {torch.get_num_threads()} threads", flush=True)
 

@@ -184,6 +184,12 @@ def test_main_job_quick_run_through_launcher(tmp_path, zero_stage):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "\r" not in proc.stdout + proc.stderr  # captured (not a terminal): periodic lines only, no bar frames
     lines = proc.stdout.splitlines()
+    opening = proc.stdout[proc.stdout.index("[rank0]: run\n"):proc.stdout.index("[rank0]: step")]
+    stage = 2 if zero_stage is None else zero_stage  # the config's stage, or the flag's, read back from the engine
+    assert f"[rank0]:   zero       stage {stage} (" in opening, opening
+    for row in ("precision  fp32", "world      2 ranks (gloo on cpu)", "optimizer  adamw, lr 0.003",
+                "offload    optimizer states -> none, parameters -> none"):
+        assert f"[rank0]:   {row}" in opening, opening
     for rank in (0, 1):
         assert any(re.match(rf"\[rank{rank}\]: rank {rank}/2 ready", line) for line in lines), proc.stdout
     losses = [float(m.group(1)) for line in lines if (m := re.match(r"\[rank0\]: step +\d+/10 +loss (\S+)", line))]
