@@ -79,7 +79,9 @@ def _model_states_path(state: EngineState, tag_dir: str) -> str:
         own = os.path.join(tag_dir, model_states_name(state.parallel.mp_rank))
         return fallback_model_states_path(state, tag_dir, own)
     own = os.path.join(tag_dir, per_rank(state.parallel.dp_rank, state.parallel.mp_rank))
-    return own if os.path.isfile(own) else os.path.join(tag_dir, per_rank(0, state.parallel.mp_rank))
+    first = os.path.join(tag_dir, per_rank(0, state.parallel.mp_rank))
+    # rank 0's file stands in only when it exists: a missing tag is reported with this rank's own file name
+    return first if not os.path.isfile(own) and os.path.isfile(first) else own
 
 
 def _read_model_states(state: EngineState, path: str) -> dict[str, Any]:
