@@ -439,6 +439,26 @@ def _frozen(states: list[tuple[str, Mapping[str, Any]]], stage: int, world: int)
     return out
 
 
+def _refuse_emptied_shapes(states: list[tuple[str, Mapping[str, Any]]], groups: list[Mapping[str, Any]]) -> None:
+    """A parameter recorded with no elements (``param_shapes`` / ``frozen_param_shapes``) whose values a file
+    holds: its shape was read from a released ZeRO-3 parameter (``param.shape``, empty) instead of its full
+    shape (``ds_shape``). Converting would write an empty tensor for it without a word."""
+    recorded: dict[str, Any] = {name: shape for group in groups for name, shape in group.items()}
+    recorded.update(states[0][1].get("frozen_param_shapes") or {})
+    for name, shape in recorded.items():
+        if math.prod(shape) != 0:
+            continue
+        for path, state in states:
+            for key in ("module", "frozen_param_fragments"):
+                value = (state.get(key) or {}).get(name)
+                if isinstance(value, torch.Tensor) and value.numel() > 0:
+                    raise ZeroToFp32Error(
+                        f"{path}: parameter {name!r} is recorded with shape {tuple(shape)} (no elements) but "
+                        f"'{key}' holds {value.numel()} values for it; the shape was taken from a released ZeRO-3 "
+                        "parameter (param.shape) instead of its full shape (param.ds_shape), and converting would "
+                        "write an empty tensor for it")
+
+
 def _buffers(main: Mapping[str, Any], path: str) -> dict[str, LazyTensor]:
     module = main.get("module") or {}
     names = main.get("buffer_names") or []
@@ -466,6 +486,7 @@ def _lazy_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None,
     logger.info("Detected checkpoint of type zero stage %d, world_size: %d, written by deepspeed==%s",
                 stage, world, main.get("ds_version"))
     shapes = _param_groups(main, path)
+    _refuse_emptied_shapes(states, shapes)
     entries = dict(_buffers(main, path))
     if not exclude_frozen_parameters:
         entries.update(_frozen(states, stage, world))

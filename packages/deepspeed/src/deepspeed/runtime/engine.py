@@ -360,9 +360,12 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save module, optimizer, schedule and counters under ``<save_dir>/<tag>/`` (collective)."""
         from deepspeed.runtime import checkpointing
+        from ds_zero.zero3.state_dict_hooks import partitioned_entries
 
-        checkpointing.save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
-                                      save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
+        with partitioned_entries():  # ZeRO-3 model states: empty partitioned weights, gathered or not
+            checkpointing.save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                                          save_latest=save_latest,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,

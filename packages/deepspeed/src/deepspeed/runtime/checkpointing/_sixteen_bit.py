@@ -3,10 +3,14 @@
 Called "16-bit" because under fp16/bf16 training the module's parameters are already 16-bit; the file holds
 ``module.state_dict()`` as it is (no optimizer, no fp32 master copy). A ``.safetensors`` name writes the
 safetensors format (needs the ``safetensors`` package); anything else ``torch.save``.
+
+A ZeRO-3 parameter that is not gathered is an empty tensor in ``state_dict()``; weights holding one for a
+parameter whose full shape is not empty are refused (the file would load as an empty model), naming them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -26,6 +30,34 @@ def _safetensors_bytes(state_dict: dict[str, Any]) -> bytes:
                           "(pip install safetensors); use 'pytorch_model.bin' for torch.save format") from exc
     # safetensors stores contiguous tensors only and no aliasing: make each its own contiguous copy
     return to_safetensors({name: tensor.contiguous() for name, tensor in state_dict.items()})
+
+
+def _emptied(module: torch.nn.Module, weights: dict[str, Any], given: dict[str, Any] | None) -> list[str]:
+    """``"name (full shape)"`` of every parameter whose entry in ``weights`` is empty though its full shape
+    (``ds_shape`` for a ZeRO-3 parameter) is not. ``given``: the caller's state dict, before compacting dropped
+    the attributes of the parameters it may hold itself (``keep_vars=True``) under names the module lacks."""
+    shapes = {name: tuple(getattr(p, "ds_shape", p.shape))
+              for name, p in module.named_parameters(remove_duplicate=False)}
+    found = []
+    for name, value in (given if given is not None else weights).items():
+        if name not in weights or not isinstance(value, torch.Tensor) or value.numel() != 0:
+            continue
+        full = shapes.get(name, tuple(getattr(value, "ds_shape", value.shape)))  # keep_vars: the parameter itself
+        if math.prod(full) > 0:
+            found.append(f"{name} {full}")
+    return found
+
+
+def _refuse_emptied(module: torch.nn.Module, weights: dict[str, Any], given: dict[str, Any] | None) -> None:
+    emptied = _emptied(module, weights, given)
+    if emptied:
+        more = f" and {len(emptied) - 5} more" if len(emptied) > 5 else ""
+        raise ValueError(
+            f"save_16bit_model: the weights hold an empty tensor for {len(emptied)} parameter(s) whose full shape "
+            f"is not empty: {', '.join(emptied[:5])}{more}. These are ZeRO-3 partitions that are not gathered; "
+            "save through the engine (engine.save_16bit_model with zero_optimization."
+            "stage3_gather_16bit_weights_on_model_save=true), or call this inside "
+            "deepspeed.zero.GatheredParameters(model.parameters())")
 
 
 def save_16bit_model(module: torch.nn.Module | Any, save_dir: str | os.PathLike,
@@ -55,6 +87,7 @@ def save_16bit_model(module: torch.nn.Module | Any, save_dir: str | os.PathLike,
             for name, param in module.named_parameters():
                 if not param.requires_grad:
                     weights.pop(name, None)
+    _refuse_emptied(module, weights, state_dict)
     make_dirs(save_dir)
     path = os.path.join(os.fspath(save_dir), save_filename)
     if save_filename.endswith(".safetensors"):
