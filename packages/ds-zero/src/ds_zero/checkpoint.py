@@ -101,11 +101,19 @@ class ZeroCheckpointShards:
         return {"zero_to_fp32.py": os.path.abspath(zero_to_fp32.__file__)}
 
     def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
-        if ctx.load_module_only or not ctx.load_optimizer_states:
-            return
-        self._load_optimizer_files(ctx, load)
+        self.prepare_load(ctx, load)()
 
-    def _load_optimizer_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
+    def prepare_load(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
+        """Read and check the optimizer files this rank needs, changing nothing and entering no collective; returns
+        the step that restores them (``optimizer.load_state_dict``, which all-gathers the weights). The engine's
+        loader runs every rank's reads, agrees that all succeeded, and only then the steps."""
+        if ctx.load_module_only or not ctx.load_optimizer_states:
+            return lambda: None
+        state = self._read_optimizer_files(ctx, load)
+        return lambda: self.optimizer.load_state_dict(state)
+
+    def _read_optimizer_files(self, ctx: Any, load: Callable[[str], Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """This rank's saved state (same world size and layout), else every saved rank's, in rank order."""
         mp_rank, rank = ctx.parallel.mp_rank, ctx.parallel.dp_rank
         prefix = self._saved_prefix(ctx, mp_rank)
         # this rank's own file when it exists (the usual, same-world case reads nothing else), else rank 0's
@@ -116,24 +124,49 @@ class ZeroCheckpointShards:
         counts = first.get("partition_count", 1)
         saved_world = max(counts) if isinstance(counts, list) else int(counts)
         names = [optim_states_name(r, mp_rank, prefix) for r in range(saved_world)]
-        # every rank checks every file before loading anything, so all ranks fail together rather than some
-        # of them waiting in the weight gather for a rank that raised
         missing = [n for n in names if not os.path.isfile(os.path.join(ctx.tag_dir, n))]
         if missing:
-            raise FileNotFoundError(f"ZeRO checkpoint {ctx.tag_dir} was saved by {saved_world} data-parallel ranks "
-                                    f"but {missing} are missing; the checkpoint is incomplete (load another tag)")
+            raise file_error(ctx.tag_dir, missing[0], f"missing: saved by {saved_world} data-parallel ranks but "
+                             f"{missing} are absent, the checkpoint is incomplete (load another tag)")
         if saved_world == ctx.parallel.dp_world_size and same_names(first, self.optimizer):
-            self.optimizer.load_state_dict(first)  # probe is this rank's file: it exists when none is missing
-            return
+            self._check_states(ctx, [probe], [first], same_layout=True)
+            return first  # probe is this rank's file: it exists when none is missing
         states = [first if n == probe else self._read(ctx, load, n) for n in names]
+        self._check_states(ctx, names, states, same_layout=False)
         if "zero_layout" not in states[0]:  # written by DeepSpeed: the flat order is the model file's param_shapes
             states[0]["zero_layout"] = self._layout_from_param_shapes(ctx, load, saved_world)
-        self.optimizer.load_state_dict(states)
+        return states
+
+    def _check_states(self, ctx: Any, names: list[str], states: list[dict[str, Any]], same_layout: bool) -> None:
+        """Before anything changes: each saved state has ZeRO's keys and this optimizer's number of groups, and
+        (same layout) each fp32 partition and optimizer-state tensor has this rank's partition size."""
+        from ds_zero._state import BASE_STATE, FP32_GROUPS, _check
+
+        opt = self.optimizer
+        for name, sd in zip(names, states, strict=True):
+            try:
+                _check(opt, [sd])
+            except ValueError as exc:
+                raise file_error(ctx.tag_dir, name, str(exc)) from None
+        if not same_layout:
+            return
+        sd = states[0]
+        paddings = sd.get("group_paddings") or [0] * len(opt.groups)
+        base = sd[BASE_STATE].get("state", {}) if isinstance(sd[BASE_STATE], dict) else {}
+        for g, (fg, master) in enumerate(zip(opt.groups, sd[FP32_GROUPS], strict=True)):
+            sizes = (fg.layout.partition_numel, fg.layout.partition_numel - paddings[g])
+            tensors = {FP32_GROUPS: master, **{f"{BASE_STATE} {key!r}": value for key, value in base.get(g, {}).items()
+                                                if torch.is_tensor(value) and value.dim() >= 1}}
+            check_partition_sizes(ctx.tag_dir, names[0], g, tensors, sizes)
 
     def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        self.prepare_universal(ctx, load)()
+
+    def prepare_universal(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
         """Restore from a Universal Checkpoint folder (``ctx.tag_dir``, DeepSpeed's ``ds_to_universal`` layout): this
         rank reads only the ``zero/<name>/*.pt`` files of the parameters its partitions hold, and only its slices
-        are kept. The fp32 values always load (as DeepSpeed's universal load); Adam's states when asked."""
+        are kept. The fp32 values always load (as DeepSpeed's universal load); Adam's states when asked. Reads and
+        checks now (no collective); the returned step applies and all-gathers."""
         opt = self.optimizer
         check_universal_folders(ctx.tag_dir, [name for fg in opt.groups for name in fg.names])
         with_state = ctx.load_optimizer_states and not ctx.load_module_only
@@ -154,12 +187,18 @@ class ZeroCheckpointShards:
             if flats:
                 new_state[g] = {**universal_step(ctx, load, fg.names, common, g), **flats}
         if with_state:
-            restore_universal_common(opt, new_state, common)
-        with torch.no_grad():
-            for fg, master in zip(opt.groups, masters, strict=True):
-                fg.master.data.copy_(master)
-                fg.copy_master_to_lp()
-        opt.all_gather_params()
+            check_universal_groups(opt, common)
+
+        def apply() -> None:
+            if with_state:
+                restore_universal_common(opt, new_state, common)
+            with torch.no_grad():
+                for fg, master in zip(opt.groups, masters, strict=True):
+                    fg.master.data.copy_(master)
+                    fg.copy_master_to_lp()
+            opt.all_gather_params()
+
+        return apply
 
     def _saved_prefix(self, ctx: Any, mp_rank: int) -> str:
         """This engine's file prefix, else the other one (a bf16 checkpoint loaded without bf16, or vice versa)."""
@@ -180,7 +219,7 @@ class ZeroCheckpointShards:
             from ds_zero.zero_to_fp32 import _load as load_with_placeholders
 
             obj = load_with_placeholders(os.path.join(ctx.tag_dir, name))
-        return _plain_state(_optimizer_state(obj, name))
+        return _plain_state(_optimizer_state(obj, name, ctx.tag_dir))
 
     def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
         name = f"mp_rank_{ctx.parallel.mp_rank:02d}_model_states.pt"
@@ -192,11 +231,36 @@ class ZeroCheckpointShards:
                  "alignment": nccl_alignment(saved_world)} for group in shapes]
 
 
-def _optimizer_state(obj: Any, name: str) -> dict[str, Any]:
+def file_error(tag_dir: str, name: str, reason: str) -> ValueError:
+    """A ``ValueError`` about one checkpoint file; ``checkpoint_path`` / ``reason`` let the engine's loader report
+    it as ``<file>: <reason>`` on every rank."""
+    path = os.path.join(tag_dir, name)
+    error = ValueError(f"{path}: {reason}")
+    error.checkpoint_path, error.reason = path, reason  # type: ignore[attr-defined]
+    return error
+
+
+def check_partition_sizes(tag_dir: str, name: str, g: int, tensors: Mapping[str, Any], sizes: tuple[int, ...]) -> None:
+    """Every tensor of ``tensors`` (what -> value) must have one of ``sizes`` elements (this rank's partition)."""
+    for what, value in tensors.items():
+        if not torch.is_tensor(value):
+            raise file_error(tag_dir, name, f"wrong content: group {g}'s {what} is a {type(value).__name__}, not a "
+                             "tensor")
+        if value.numel() not in sizes:
+            raise file_error(tag_dir, name, f"wrong shape: group {g}'s {what} has {value.numel()} elements "
+                             f"(shape {tuple(value.shape)}), this rank's partition has {sizes[0]} (another model, "
+                             "world size or parameter grouping)")
+
+
+def _optimizer_state(obj: Any, name: str, tag_dir: str) -> dict[str, Any]:
     if not isinstance(obj, dict) or OPTIMIZER_STATE_DICT not in obj:
-        found = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"{name} is not a ZeRO optimizer-states file (no '{OPTIMIZER_STATE_DICT}'; found {found})")
-    return obj[OPTIMIZER_STATE_DICT]
+        found = sorted(map(str, obj))[:10] if isinstance(obj, dict) else type(obj).__name__
+        raise file_error(tag_dir, name, f"missing key '{OPTIMIZER_STATE_DICT}': not a ZeRO optimizer-states file "
+                         f"(found {found})")
+    state = obj[OPTIMIZER_STATE_DICT]
+    if not isinstance(state, dict):
+        raise file_error(tag_dir, name, f"key '{OPTIMIZER_STATE_DICT}' holds a {type(state).__name__}, not a dict")
+    return state
 
 
 # ---- Universal Checkpoint reading (shared with ZeRO-3) ----------------------------------------------------------
@@ -240,10 +304,10 @@ def read_universal(ctx: Any, load: Callable[[str], Any], name: str, key: str, nu
     obj = _read_plain(ctx, load, rel)
     value = obj.get("param") if isinstance(obj, dict) else obj
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{os.path.join(ctx.tag_dir, rel)} holds no tensor (found {type(obj).__name__})")
+        raise file_error(ctx.tag_dir, rel, f"holds no tensor (found {type(obj).__name__})")
     value = value.detach().reshape(-1)
     if value.numel() != numel:
-        raise ValueError(f"{os.path.join(ctx.tag_dir, rel)}: {value.numel()} values, the model's parameter {name!r} "
+        raise file_error(ctx.tag_dir, rel, f"wrong shape: {value.numel()} values, the model's parameter {name!r} "
                          f"has {numel}")
     return value.float()
 
@@ -265,6 +329,15 @@ def universal_step(ctx: Any, load: Callable[[str], Any], names: list[str], commo
     if g < len(groups) and "step" in groups[g]:
         return {"step": groups[g]["step"]}
     return {}
+
+
+def check_universal_groups(opt: Any, common: dict[str, Any]) -> None:
+    """The saved ``param_groups`` must be as many as the optimizer's (checked before anything changes)."""
+    current = opt.optimizer.state_dict()["param_groups"]
+    saved = common.get("param_groups") or current
+    if len(saved) != len(current):
+        raise ValueError(f"universal checkpoint: the optimizer had {len(saved)} parameter groups, this one has "
+                         f"{len(current)}")
 
 
 def restore_universal_common(opt: Any, new_state: dict[int, dict[str, Any]], common: dict[str, Any]) -> None:

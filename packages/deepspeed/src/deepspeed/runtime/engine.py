@@ -27,6 +27,7 @@ from deepspeed.runtime import _engine_setup, _moe_setup, _setup
 from deepspeed.runtime._accessors import ConfigAccessors
 from deepspeed.runtime._compression_setup import build_compression_scheduler
 from deepspeed.runtime._data_efficiency import DataMethods
+from deepspeed.runtime._peer_failure import announce, named_peer_failures
 from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
 from deepspeed.runtime._zero3_engine import Zero3EngineMethods
 from deepspeed.runtime._zero_states import ZeroStateMethods
@@ -64,6 +65,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._configure_training_state()
         _engine_setup.attach_features(self, config, training_data, collate_fn)
         _engine_setup.log_startup(self, config)
+        announce()  # host and pid, so that a peer's failure can be named (see _peer_failure)
 
     def __getattr__(self, name: str) -> Any:
         """Unknown attributes come from the wrapped module (``engine.generate(...)``, ``engine.config_class``)."""
@@ -146,7 +148,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         if self.data_efficiency is not None and self.module.training:
             kwargs = self.data_efficiency.before_forward(self.global_steps, kwargs)
         ctx = autocast_context(self._config.torch_autocast_enabled, self._autocast_dtype(), self.device.type)
-        with ctx:
+        with ctx, named_peer_failures(self.global_steps, "forward"):
             out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.optimizer is not None:
             # a hook on the outputs runs in the outermost backward, before any reentrant checkpoint's nested one
@@ -179,7 +181,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scaled = self.optimizer.scale_loss(loss)
-        self._run_backward(lambda: scaled.backward(retain_graph=retain_graph))
+        with named_peer_failures(self.global_steps, "backward"):
+            self._run_backward(lambda: scaled.backward(retain_graph=retain_graph))
         return loss
 
     def _run_backward(self, run: Any) -> None:
@@ -288,7 +291,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._step_applied = False
         self.timers.start(STEP)
         if boundary:
-            self._take_model_step(lr_kwargs)
+            with named_peer_failures(self.global_steps, "step"):
+                self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self.timers.stop(STEP)
         if boundary:

@@ -57,25 +57,62 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         }
 
     def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        self.prepare_load(ctx, load)()
+
+    def prepare_load(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
         """The weights live only in these files at stage 3 (the model-states file holds empty tensors), so they
-        are restored whatever the load options; the optimizer states only when asked."""
+        are restored whatever the load options; the optimizer states only when asked. Reads and checks every file
+        now (no collective, nothing changed); the returned step applies them (gathers included)."""
         self._check_shapes(ctx, load)
-        self._load_frozen(ctx, load)
-        self.optimizer.restore_optimizer_state = not (ctx.load_module_only or not ctx.load_optimizer_states)
+        frozen = self._read_frozen(ctx, load)
+        with_state = not (ctx.load_module_only or not ctx.load_optimizer_states)
         opt_world = getattr(self.optimizer, "world", ctx.parallel.dp_world_size)
         if opt_world != ctx.parallel.dp_world_size:  # MiCS: the optimizer files are those of a shard group
             ctx = dataclasses.replace(ctx, parallel=dataclasses.replace(ctx.parallel, dp_rank=self.optimizer.rank,
                                                                         dp_world_size=opt_world))
-        try:
-            self._load_optimizer_files(ctx, load)
-        finally:
-            self.optimizer.restore_optimizer_state = True
+        state = self._read_optimizer_files(ctx, load)
+
+        def apply() -> None:
+            if frozen:
+                for param, whole in frozen:
+                    write_full(param, whole)  # (quantized again where zero_quantized_nontrainable_weights stores it)
+                self.optimizer.partitions_changed()
+            self.optimizer.restore_optimizer_state = with_state
+            try:
+                self.optimizer.load_state_dict(state)
+            finally:
+                self.optimizer.restore_optimizer_state = True
+
+        return apply
+
+    def _check_states(self, ctx: Any, names: list[str], states: list[dict[str, Any]], same_layout: bool) -> None:
+        """Stage 3's keys and group count in every file; on the same layout, partition sizes of this rank's."""
+        from ds_zero.checkpoint import check_partition_sizes, file_error
+        from ds_zero.zero3.checkpoint import BASE_STATE, FP32_GROUPS, _check, _same_layout
+
+        opt = self.optimizer
+        for name, sd in zip(names, states, strict=True):
+            try:
+                _check(opt, [sd])
+            except ValueError as exc:
+                raise file_error(ctx.tag_dir, name, str(exc)) from None
+        if not same_layout or not _same_layout(opt, states):
+            return
+        base = states[0][BASE_STATE].get("state", {}) if isinstance(states[0][BASE_STATE], dict) else {}
+        for g, (group, master) in enumerate(zip(opt.groups, states[0][FP32_GROUPS], strict=True)):
+            tensors = {FP32_GROUPS: master, **{f"{BASE_STATE} {key!r}": value for key, value in base.get(g, {}).items()
+                                                if torch.is_tensor(value) and value.dim() >= 1}}
+            check_partition_sizes(ctx.tag_dir, names[0], g, tensors, (group.numel,))
 
     def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        self.prepare_universal(ctx, load)()
+
+    def prepare_universal(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
         """From a Universal Checkpoint folder: each parameter's ``zero/<name>/*.pt`` is read and only this rank's
-        slice of it kept (the weights always, Adam's states when asked)."""
+        slice of it kept (the weights always, Adam's states when asked). Reads now; the returned step applies."""
         from ds_zero.checkpoint import (
             check_universal_folders,
+            check_universal_groups,
             read_universal,
             read_universal_common,
             restore_universal_common,
@@ -104,12 +141,18 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
             if flats:
                 new_state[g] = {**universal_step(ctx, load, group.names, common, g), **flats}
         if with_state:
-            restore_universal_common(opt, new_state, common)
-        with torch.no_grad():
-            for group, master in zip(opt.groups, masters, strict=True):
-                group.master.data.copy_(master)
-                _zero_padding(group)
-                group.copy_master_to_lp()
+            check_universal_groups(opt, common)
+
+        def apply() -> None:
+            if with_state:
+                restore_universal_common(opt, new_state, common)
+            with torch.no_grad():
+                for group, master in zip(opt.groups, masters, strict=True):
+                    group.master.data.copy_(master)
+                    _zero_padding(group)
+                    group.copy_master_to_lp()
+
+        return apply
 
     def _check_shapes(self, ctx: Any, load: Callable[[str], Any]) -> None:
         """Before anything is changed: every saved parameter shape must be the model's (names the first that is
@@ -121,29 +164,39 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         shapes.update(saved.get("frozen_param_shapes") or {})
         for name, p in self.module.named_parameters():
             if name in shapes and tuple(shapes[name]) != tuple(getattr(p, "ds_shape", p.shape)):
-                raise ValueError(f"{ctx.tag_dir}: parameter {name!r} has shape {tuple(shapes[name])} in the checkpoint "
-                                 f"and {tuple(getattr(p, 'ds_shape', p.shape))} in the model; nothing was loaded "
-                                 "(a checkpoint of another model?)")
+                from ds_zero.checkpoint import file_error
 
-    def _load_frozen(self, ctx: Any, load: Callable[[str], Any]) -> None:
-        """Frozen parameters: every saved rank's ``frozen_param_fragments``, put together and cut for this rank."""
+                raise file_error(ctx.tag_dir, self.model_states_name(0, ctx.parallel.mp_rank), f"wrong shape: "
+                                 f"parameter {name!r} has shape {tuple(shapes[name])} in the checkpoint and "
+                                 f"{tuple(getattr(p, 'ds_shape', p.shape))} in the model (a checkpoint of another "
+                                 "model?)")
+
+    def _read_frozen(self, ctx: Any, load: Callable[[str], Any]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Frozen parameters: every saved rank's ``frozen_param_fragments``, put together; ``(param, whole value)``."""
+        from ds_zero.checkpoint import file_error
+
         frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad and hasattr(p, "ds_id")}
         if not frozen:
-            return
-        own = load(self.model_states_name(0, ctx.parallel.mp_rank))
+            return []
+        first = self.model_states_name(0, ctx.parallel.mp_rank)
+        own = load(first)
         saved_world = int(own.get("frozen_partition_count") or own.get("dp_world_size") or 1)
-        states = [own] + [load(self.model_states_name(r, ctx.parallel.mp_rank)) for r in range(1, saved_world)]
+        names = [first] + [self.model_states_name(r, ctx.parallel.mp_rank) for r in range(1, saved_world)]
+        states = [own] + [load(name) for name in names[1:]]
+        out = []
         for name, param in frozen.items():
             pieces = [(sd.get("frozen_param_fragments") or {}).get(name) for sd in states]
-            if any(piece is None for piece in pieces):
-                raise ValueError(f"{ctx.tag_dir}: frozen parameter {name!r} has no 'frozen_param_fragments' entry in "
-                                 "every rank's model-states file; the checkpoint does not hold its weights")
+            lacking = [n for n, piece in zip(names, pieces, strict=True) if not torch.is_tensor(piece)]
+            if lacking:
+                raise file_error(ctx.tag_dir, lacking[0], f"missing key: frozen parameter {name!r} has no "
+                                 "'frozen_param_fragments' entry; the checkpoint does not hold its weights")
             whole = torch.cat([piece.reshape(-1) for piece in pieces])[:param.ds_numel]
             if whole.numel() != param.ds_numel:
-                raise ValueError(f"{ctx.tag_dir}: frozen parameter {name!r} has {whole.numel()} elements in the "
-                                 f"checkpoint and {param.ds_numel} (shape {tuple(param.ds_shape)}) in the model")
-            write_full(param, whole)  # (quantized again where zero_quantized_nontrainable_weights stores it so)
-        self.optimizer.partitions_changed()
+                raise file_error(ctx.tag_dir, first, f"wrong shape: frozen parameter {name!r} has {whole.numel()} "
+                                 f"elements in the checkpoint and {param.ds_numel} (shape {tuple(param.ds_shape)}) "
+                                 "in the model")
+            out.append((param, whole))
+        return out
 
     def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
         name = model_states_name(0, ctx.parallel.mp_rank)

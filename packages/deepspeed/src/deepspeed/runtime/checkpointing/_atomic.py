@@ -60,22 +60,57 @@ def remove_stale_temps(path: str | os.PathLike) -> None:
                 pass
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Create or replace ``path`` with what ``write(file)`` writes, atomically and durably."""
+def _open_for_write(path: str) -> BinaryIO:
+    """The one place checkpoint bytes are opened for writing (fault-injection tests replace it)."""
+    return open(path, "wb")
+
+
+def discard(tmp: str) -> None:
+    """Remove a temporary written by :func:`stage_write` (gone already: nothing to do)."""
+    try:
+        os.remove(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def stage_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> str:
+    """Write ``path``'s new content under a temporary sibling name, flushed and fsynced; returns that name.
+
+    Nothing is visible under ``path`` until :func:`commit`; on error the temporary is removed and the error
+    (an ``OSError`` keeps its errno: ENOSPC, EACCES, EIO) gets ``checkpoint_path`` = ``path`` for the report.
+    """
     path = os.fspath(path)
     remove_stale_temps(path)
     tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as handle:
+        with _open_for_write(tmp) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+    except BaseException as exc:
+        discard(tmp)
+        if isinstance(exc, Exception) and getattr(exc, "checkpoint_path", None) is None:
+            try:
+                exc.checkpoint_path = path  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type with __slots__: the message still says what failed
+                pass
+        raise
+    return tmp
+
+
+def commit(tmp: str, path: str | os.PathLike) -> None:
+    """Rename a staged temporary onto ``path`` (atomic within a directory); the caller fsyncs the directory."""
+    os.replace(tmp, os.fspath(path))
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Create or replace ``path`` with what ``write(file)`` writes, atomically and durably."""
+    path = os.fspath(path)
+    tmp = stage_write(path, write)
+    try:
+        commit(tmp, path)
     except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
+        discard(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 

@@ -23,7 +23,30 @@ class CheckpointTagError(CheckpointError, ValueError, AssertionError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A checkpoint file exists but cannot be read (truncated, corrupt, or not a torch file)."""
+    """A checkpoint file exists but cannot be read (truncated, corrupt, or not a torch file), or its content is
+    not what the loader needs (a missing key, a tensor of the wrong shape).
+
+    ``checkpoint_path``: the file; ``reason``: the cause without the path ("truncated (...)", "not a checkpoint
+    file (unpickling failed: ...)"). Both may be None for errors built from a message alone.
+    """
+
+    def __init__(self, message: str, path: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint_path = path
+        self.reason = reason
+
+
+class CheckpointRankError(CheckpointError):
+    """A collective checkpoint call failed on some ranks; raised on every rank with the same message.
+
+    ``op`` ("load_checkpoint", "save_checkpoint"), ``phase`` ("reading", "writing", ...), ``rank`` (this
+    process's global rank), ``failures``: ``{global rank: RankFailure(file, cause)}`` of every failing rank.
+    The message format is documented in ``deepspeed.runtime.checkpointing._agreement``.
+    """
+
+    def __init__(self, message: str, op: str, phase: str, rank: int, failures: dict) -> None:
+        super().__init__(message)
+        self.op, self.phase, self.rank, self.failures = op, phase, rank, failures
 
 
 class UnsafeCheckpointError(CheckpointError):

@@ -1,9 +1,11 @@
 """``save_checkpoint``: every rank writes its files into ``<save_dir>/<tag>/``, then ``latest`` is updated.
 
-Order (each arrow a meeting of all ranks, see ``_sync``): agree on the call and the tag -> write this rank's
-files atomically -> agree that every rank's files are complete -> write ``latest`` -> agree it is written.
-A rank that fails to write (disk full, a bad object) makes every rank raise and ``latest`` keeps naming
-the previous checkpoint.
+Order (each arrow a meeting of all ranks, see ``_sync`` and ``_agreement``): agree on the call and the tag ->
+write this rank's files under temporary names (fsynced) -> agree that every rank's writes succeeded -> rename
+them into place -> agree -> rank 0 writes ``latest`` -> agree. A rank that fails to write (ENOSPC, EACCES, EIO,
+an object torch cannot save) makes every rank raise :class:`CheckpointRankError` naming the rank, the file and
+the cause; every rank removes its temporaries, so no file of the tag directory changes (re-saving the tag a
+complete checkpoint already has leaves it loadable) and ``latest`` keeps naming the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from deepspeed.__about__ import __version__
-from deepspeed.runtime.checkpointing._atomic import atomic_write, atomic_write_text, make_dirs
+from deepspeed.runtime.checkpointing._agreement import agree
+from deepspeed.runtime.checkpointing._atomic import (
+    atomic_write_text,
+    commit,
+    discard,
+    fsync_dir,
+    make_dirs,
+    stage_write,
+)
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
 from deepspeed.runtime.checkpointing._errors import CheckpointError
 from deepspeed.runtime.checkpointing._layout import (
@@ -22,12 +32,13 @@ from deepspeed.runtime.checkpointing._layout import (
     default_tag,
     latest_writer,
     model_states_name,
+    read_latest,
     validate_tag,
     writer_rank,
 )
-from deepspeed.runtime.checkpointing._serialize import compact_for_save, module_state_dict, save_file
+from deepspeed.runtime.checkpointing._serialize import compact_for_save, module_state_dict, stage_file
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
-from deepspeed.runtime.checkpointing._sync import Meeting, arrive, open_meeting
+from deepspeed.runtime.checkpointing._sync import arrive, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
 
 _OP = "save_checkpoint"
@@ -97,36 +108,41 @@ def _rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str
     return files
 
 
-def _write_rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str, Any] | None) -> None:
+def _stage_rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str, Any] | None,
+                      staged: list[tuple[str, str]]) -> None:
+    """Write this rank's files under temporary names; appends ``(temporary, final path)`` to ``staged``."""
     files = _rank_files(state, ctx, client_state)
     if files:
         make_dirs(ctx.tag_dir)
     for name, obj in files.items():
-        save_file(obj, os.path.join(ctx.tag_dir, name))
-    for shard in state.shards:  # plain files beside the tag dirs (ZeRO's zero_to_fp32.py), copied atomically
+        path = os.path.join(ctx.tag_dir, name)
+        staged.append((stage_file(obj, path), path))
+    for shard in state.shards:  # plain files beside the tag dirs (ZeRO's zero_to_fp32.py)
         copies = getattr(shard, "files_to_copy", None)
         for name, source in (copies(ctx) if copies is not None else {}).items():
             if os.path.basename(name) != name or name == LATEST_FILE:
                 raise CheckpointError(f"checkpoint file name {name!r} from {type(shard).__name__} is not a plain "
                                       "file name or is taken")
+            path = os.path.join(os.path.dirname(ctx.tag_dir), name)
             with open(source, "rb") as src:
-                atomic_write(os.path.join(os.path.dirname(ctx.tag_dir), name),
-                             lambda dst, src=src: shutil.copyfileobj(src, dst))
+                staged.append((stage_write(path, lambda dst, src=src: shutil.copyfileobj(src, dst)), path))
 
 
-def _agree(meeting: Meeting | None, phase: str, error: BaseException | None, waiting_for: str, what: str) -> None:
-    """Share each rank's outcome of ``phase``; raise on every rank if any rank failed."""
-    if meeting is None:
-        if error is not None:
-            raise CheckpointError(f"{_OP}: {what} failed: {error}") from error
-        return
-    outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-    statuses = meeting.exchange(phase, outcome, waiting_for)
-    failed = {rank: status for rank, status in statuses.items() if status != "ok"}
-    if failed:
-        detail = "; ".join(f"rank {rank}: {status}" for rank, status in sorted(failed.items()))
-        raise CheckpointError(f"{_OP} on rank {meeting.rank}: {what} failed on ranks {sorted(failed)} "
-                              f"({detail})") from error
+def _commit(staged: list[tuple[str, str]]) -> None:
+    """Rename every staged temporary into place, then make the renames durable."""
+    for tmp, path in staged:
+        try:
+            commit(tmp, path)
+        except Exception as exc:
+            exc.checkpoint_path = path  # type: ignore[attr-defined]
+            raise
+    for folder in sorted({os.path.dirname(os.path.abspath(path)) for _, path in staged}):
+        fsync_dir(folder)
+
+
+def _discard(staged: list[tuple[str, str]]) -> None:
+    for tmp, _ in staged:
+        discard(tmp)
 
 
 def check_save_dir(save_dir: object, op: str = _OP) -> str:
@@ -166,18 +182,37 @@ def save_checkpoint(state: EngineState | Any, save_dir: str | os.PathLike, tag: 
         raise problem
     ctx = ShardContext(tag_dir=os.path.join(save_dir, tag), parallel=state.parallel,
                        config=state.checkpoint_config, exclude_frozen_parameters=exclude_frozen_parameters)
+    rank = state.parallel.global_rank
+    previous = read_latest(save_dir) if os.path.isdir(save_dir) else None
+    unchanged = f"'latest' still names {previous!r}" if previous is not None else "no 'latest' was written"
+    # 1. every rank writes temporaries; nothing under a final name changes until all of them have succeeded
+    staged: list[tuple[str, str]] = []
     error: BaseException | None = None
     try:
-        _write_rank_files(state, ctx, client_state)
+        _stage_rank_files(state, ctx, client_state, staged)
     except Exception as exc:  # shared with the other ranks below, then raised everywhere
         error = exc
-    _agree(meeting, "written", error, f"finish writing {ctx.tag_dir}", f"writing {ctx.tag_dir} ('latest' unchanged)")
+    try:
+        agree(meeting, _OP, "writing", error, f"Nothing was committed on any rank; {unchanged}.", rank)
+    except BaseException:
+        _discard(staged)
+        raise
+    # 2. rename into place (cannot run out of space; fails only if the folder itself broke)
+    error = None
+    try:
+        _commit(staged)
+    except Exception as exc:
+        _discard(staged)
+        error = exc
+    agree(meeting, _OP, "committing", error, f"{ctx.tag_dir} may hold a mix of old and new files; {unchanged}.", rank)
+    # 3. only now does 'latest' move
     error = None
     if save_latest and latest_writer(state.checkpoint_config, state.parallel):
         try:
             make_dirs(save_dir)
             atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
         except Exception as exc:
+            exc.checkpoint_path = os.path.join(save_dir, LATEST_FILE)  # type: ignore[attr-defined]
             error = exc
-    _agree(meeting, "latest", error, f"finish {_OP} (writing 'latest')", f"writing {save_dir}/{LATEST_FILE}")
+    agree(meeting, _OP, "updating latest", error, f"The files of {ctx.tag_dir} are complete, but {unchanged}.", rank)
     return ctx.tag_dir

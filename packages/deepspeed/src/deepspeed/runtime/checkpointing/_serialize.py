@@ -8,22 +8,30 @@ trust with ``EngineState(trusted_load=True)``.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import re
 from typing import Any
 
 import torch
 
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-from deepspeed.runtime.checkpointing._atomic import atomic_write
+from deepspeed.runtime.checkpointing._atomic import atomic_write, stage_write
 from deepspeed.runtime.checkpointing._errors import CorruptCheckpointError, UnsafeCheckpointError
 
 _WEIGHTS_ONLY_MARK = "Weights only load failed"
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since 1.6 is a zip archive
 
 
 def save_file(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save(obj)`` to ``path`` atomically (temporary name, fsync, rename, fsync the directory)."""
     atomic_write(path, lambda handle: torch.save(obj, handle))
+
+
+def stage_file(obj: Any, path: str | os.PathLike) -> str:
+    """``torch.save(obj)`` under a temporary sibling of ``path`` (fsynced); returns it for ``_atomic.commit``."""
+    return stage_write(path, lambda handle: torch.save(obj, handle))
 
 
 def _needs_clone(tensor: torch.Tensor) -> bool:
@@ -64,28 +72,69 @@ def module_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool =
 
 
 def load_file(path: str | os.PathLike, trusted: bool = False, map_location: Any = "cpu") -> Any:
-    """``torch.load`` with ``weights_only=True`` (unless ``trusted``), with errors that name the file."""
+    """``torch.load`` with ``weights_only=True`` (unless ``trusted``), with errors that name the file.
+
+    A missing file raises ``FileNotFoundError``; an unreadable one :class:`CorruptCheckpointError` whose
+    ``reason`` says why in plain words ("empty file", "truncated (...)", "not a checkpoint file (unpickling
+    failed: ...)"), never torch's advice to retry with ``weights_only=False`` (wrong for a damaged file).
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path} does not exist")
+        error = FileNotFoundError(errno.ENOENT, "checkpoint file does not exist", path)
+        error.checkpoint_path, error.reason = path, "missing (the file does not exist)"  # type: ignore[attr-defined]
+        raise error
     try:
         return torch.load(path, map_location=map_location, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
         names = _unsafe_globals(path) if _WEIGHTS_ONLY_MARK in str(exc) else []
         if names:
             raise UnsafeCheckpointError(_unsafe_message(path, names)) from exc
-        raise _corrupt(path, exc) from exc  # not a torch zip file: the legacy unpickler choked on the bytes
-    except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError) as exc:
+        raise _corrupt(path, exc) from exc  # not a torch zip file: the unpickler choked on the bytes
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError, IndexError, TypeError) as exc:
         raise _corrupt(path, exc) from exc
 
 
 def _corrupt(path: str, exc: BaseException) -> CorruptCheckpointError:
-    size = os.path.getsize(path)
-    return CorruptCheckpointError(
-        f"checkpoint file {path} ({size} bytes) cannot be read: it is truncated or corrupt "
-        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}). Load an earlier tag "
-        "or re-save it"
-    )
+    reason = damage_reason(path, exc)
+    return CorruptCheckpointError(f"checkpoint file {path} cannot be read: {reason}. Load an earlier tag or re-save "
+                                  "it", path=path, reason=reason)
+
+
+def damage_reason(path: str, exc: BaseException) -> str:
+    """Why ``torch.load`` could not read ``path``, in a few words: empty, truncated, not a checkpoint file, or
+    corrupt, with the loader's own detail (torch's advice to retry with ``weights_only=False`` left out)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as os_exc:
+        return f"unreadable ({type(os_exc).__name__}: {os_exc})"
+    detail = _loader_detail(exc)
+    if size == 0:
+        return "empty file (0 bytes)"
+    if head == _ZIP_MAGIC:
+        if "central directory" in detail or isinstance(exc, EOFError):
+            return f"truncated ({size} bytes; the zip archive has no end: the write or copy stopped early)"
+        return f"corrupt ({size} bytes; {detail})"
+    if isinstance(exc, (pickle.UnpicklingError, EOFError)):
+        return f"not a checkpoint file ({size} bytes; unpickling failed: {detail})"
+    return f"not a checkpoint file ({size} bytes; {detail})"
+
+
+def _loader_detail(exc: BaseException) -> str:
+    """The informative part of a torch.load error: the weights-only unpickler's own error, or the first sentence."""
+    text = str(exc)
+    if _WEIGHTS_ONLY_MARK in text:
+        # torch wraps the real error ("WeightsUnpickler error: Unsupported operand 120") in advice to load with
+        # weights_only=False, which would run the file's code and could not read a damaged file anyway
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|\nCheck the documentation|$)", text, re.S)
+        text = " ".join(found.group(1).split()) if found else "the weights-only unpickler refused the bytes"
+        opcode = re.fullmatch(r"Unsupported operand (\d+)", text)
+        if opcode:
+            text = f"unsupported pickle opcode {chr(int(opcode.group(1)))!r} ({opcode.group(1)})"
+    else:
+        text = text.split(". ")[0].splitlines()[0].rstrip(".") if text else "no detail"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _unsafe_globals(path: str) -> list[str]:
