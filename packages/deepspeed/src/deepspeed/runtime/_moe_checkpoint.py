@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.checkpointing import CheckpointError, ShardContext
+from deepspeed.runtime.checkpointing._checks import content_error
 from deepspeed.runtime.checkpointing._serialize import compact_for_save
 
 _EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
@@ -87,8 +89,12 @@ class MoECheckpointShards:
         return weights
 
     def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
+        self.prepare_load(ctx, load)()
+
+    def prepare_load(self, ctx: ShardContext, load: Callable[[str], Any]) -> Callable[[], None]:
+        """Read and check this expert rank's optimizer file (stage 0) before anything loads; the step restores it."""
         if not self.owns_optimizer_state or not ctx.load_optimizer_states or ctx.load_module_only:
-            return
+            return lambda: None
         from ds_moe import groups
 
         saved = load(f"mp_rank_{ctx.parallel.mp_rank:02d}_model_states.pt").get("moe_ep_sizes")
@@ -99,5 +105,9 @@ class MoECheckpointShards:
                                   "onto the same ep_size only; pass load_optimizer_states=False to load the weights, "
                                   "schedule and counters")
         rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
-        state = load(f"expp_rank_{rank}_mp_rank_{ctx.parallel.mp_rank:02d}_optim_states.pt")
-        self.engine.optimizer.load_state_dict(state["optimizer"])
+        name = f"expp_rank_{rank}_mp_rank_{ctx.parallel.mp_rank:02d}_optim_states.pt"
+        state = load(name)
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise content_error(os.path.join(ctx.tag_dir, name), "missing key 'optimizer': not an expert-parallel "
+                                "optimizer-states file")
+        return lambda: self.engine.optimizer.load_state_dict(state["optimizer"])

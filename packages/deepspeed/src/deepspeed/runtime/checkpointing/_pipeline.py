@@ -3,16 +3,19 @@
 A pipeline stage keeps its weights per layer (so a checkpoint can be re-partitioned into different stages)
 instead of in the model-states file. With ``checkpoint.parallel_write.pipeline_stage`` the stage's layers are
 spread over its data-parallel ranks, each writing a contiguous run; without it data-parallel rank 0 writes
-all of them. Every rank of the stage reads all of its layers back.
+all of them. Every rank of the stage reads all of its layers back, and checks them against its layers before
+any is loaded (``prepare_load``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from deepspeed.runtime.checkpointing._checks import check_module_weights
 from deepspeed.runtime.checkpointing._errors import CheckpointError
 from deepspeed.runtime.checkpointing._layout import layer_states_name, pipeline_layer_range
 from deepspeed.runtime.checkpointing._serialize import module_state_dict
@@ -56,15 +59,29 @@ class PipelineLayerShards:
         }
 
     def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
-        """Every layer of the stage, with ``load_module_strict`` / ``custom_load_fn`` as for a whole module."""
+        self.prepare_load(ctx, load)()
+
+    def prepare_load(self, ctx: ShardContext, load: Callable[[str], Any]) -> Callable[[], None]:
+        """Read every layer file of the stage and check it fits its layer (keys under ``load_module_strict``,
+        shapes), changing nothing; returns the step that loads them (or hands them to ``custom_load_fn``)."""
+        read = []
         for index, layer in self.layers:
             name = self._name(index, ctx)
             weights = load(name)
-            if ctx.custom_load_fn is not None:
-                ctx.custom_load_fn(src=weights, dst=layer)
-                continue
-            try:
-                layer.load_state_dict(weights, strict=ctx.load_module_strict)
-            except RuntimeError as exc:
-                raise CheckpointError(f"{ctx.tag_dir}/{name}: the saved weights do not fit layer {index}: "
-                                      f"{exc}") from exc
+            if ctx.custom_load_fn is None:
+                check_module_weights(layer, weights, ctx.load_module_strict, os.path.join(ctx.tag_dir, name),
+                                     what=f"layer {index}")
+            read.append((index, layer, name, weights))
+
+        def apply() -> None:
+            for index, layer, name, weights in read:
+                if ctx.custom_load_fn is not None:
+                    ctx.custom_load_fn(src=weights, dst=layer)
+                    continue
+                try:
+                    layer.load_state_dict(weights, strict=ctx.load_module_strict)
+                except RuntimeError as exc:
+                    raise CheckpointError(f"{ctx.tag_dir}/{name}: the saved weights do not fit layer {index}: "
+                                          f"{exc}") from exc
+
+        return apply

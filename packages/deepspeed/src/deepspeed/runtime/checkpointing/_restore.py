@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from deepspeed.checkpoint import universal as uc
-from deepspeed.runtime.checkpointing._errors import CheckpointError, CorruptCheckpointError
+from deepspeed.runtime.checkpointing._checks import check_module_weights, content_error
+from deepspeed.runtime.checkpointing._errors import CheckpointError
 from deepspeed.runtime.checkpointing._serialize import load_file
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext
 from deepspeed.runtime.checkpointing._tp_resize import check_tp_resize
@@ -65,49 +66,18 @@ def file_reader(tag_dir: str, trusted: bool) -> Callable[[str], Any]:
     return load
 
 
-def _content_error(path: str, reason: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path}: {reason}", path=path, reason=reason)
-
-
 def read_model_states(state: EngineState, path: str) -> dict[str, Any]:
     checkpoint = load_file(path, trusted=state.trusted_load)
     if not isinstance(checkpoint, dict):
-        raise _content_error(path, f"holds a {type(checkpoint).__name__}, not a DeepSpeed model-states dict")
+        raise content_error(path, f"holds a {type(checkpoint).__name__}, not a DeepSpeed model-states dict")
     missing = [key for key in _REQUIRED_KEYS if key not in checkpoint]
     if missing:
-        raise _content_error(path, f"not a DeepSpeed model-states file: keys {missing} are missing (found "
+        raise content_error(path, f"not a DeepSpeed model-states file: keys {missing} are missing (found "
                                    f"{sorted(map(str, checkpoint))[:12]})")
     for key in ("global_steps", "skipped_steps", "global_samples", "micro_steps"):
         if key in checkpoint and not isinstance(checkpoint[key], (int, torch.Tensor)):
-            raise _content_error(path, f"key {key!r} holds a {type(checkpoint[key]).__name__}, not a step count")
+            raise content_error(path, f"key {key!r} holds a {type(checkpoint[key]).__name__}, not a step count")
     return checkpoint
-
-
-def check_module_weights(module: torch.nn.Module, weights: Any, strict: bool, path: str) -> None:
-    """Raise :class:`CheckpointError` (what ``load_state_dict`` would raise later) when ``weights`` cannot load
-    into ``module``: missing keys under ``strict``, or a tensor whose shape is not the live one. A ZeRO-3
-    partitioned parameter accepts an empty tensor (its partition is in the optimizer files) or its full shape."""
-    if not isinstance(weights, dict):
-        raise _content_error(path, f"key 'module' holds a {type(weights).__name__}, not a state dict")
-    live = module.state_dict()
-    full_shapes = {name: tuple(p.ds_shape) for name, p in module.named_parameters(remove_duplicate=False)
-                   if hasattr(p, "ds_shape")}
-    problems = []
-    if strict:
-        missing = [key for key in live if key not in weights]
-        if missing:
-            problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    for key, value in weights.items():
-        here = live.get(key)
-        if not (torch.is_tensor(value) and torch.is_tensor(here)) or value.shape == here.shape:
-            continue
-        if key in full_shapes and (value.numel() == 0 or tuple(value.shape) == full_shapes[key]):
-            continue
-        problems.append(f"{key} has shape {tuple(value.shape)} in the file and "
-                        f"{full_shapes.get(key, tuple(here.shape))} in the model")
-    if problems:
-        reason = "the saved module weights do not fit the model: " + "; ".join(problems[:8])
-        raise CorruptCheckpointError(f"{path}: {reason}", path=path, reason=reason)
 
 
 def _load_module(state: EngineState, weights: dict[str, Any], opts: LoadOptions, path: str) -> None:

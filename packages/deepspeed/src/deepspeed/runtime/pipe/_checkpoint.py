@@ -51,15 +51,24 @@ class _StageExtras:
         self.engine.module._synchronize_tied_weights()
 
     def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        self.prepare_universal(ctx, load)()
+
+    def prepare_universal(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
         """This stage's parameters from ``zero/<global name>/fp32.pt`` (ZeRO's shard, which follows, restores its
-        own partitions; a stage-0 wrapper's state is loaded by ``_load_universal`` afterwards)."""
+        own partitions; a stage-0 wrapper's state is loaded by ``_OptimizerState``), read now, copied by the step."""
         from ds_zero.checkpoint import UNIVERSAL_ZERO, read_universal
 
-        with torch.no_grad():
-            for name, param in self.engine.module.named_parameters():
-                if os.path.isfile(os.path.join(ctx.tag_dir, UNIVERSAL_ZERO, name, "fp32.pt")):
-                    param.copy_(read_universal(ctx, load, name, "fp32", param.numel()).view_as(param))
-        self.engine.module._synchronize_tied_weights()
+        values = [(param, read_universal(ctx, load, name, "fp32", param.numel()).view_as(param))
+                  for name, param in self.engine.module.named_parameters()
+                  if os.path.isfile(os.path.join(ctx.tag_dir, UNIVERSAL_ZERO, name, "fp32.pt"))]
+
+        def apply() -> None:
+            with torch.no_grad():
+                for param, value in values:
+                    param.copy_(value)
+            self.engine.module._synchronize_tied_weights()
+
+        return apply
 
 
 class _StageLayers(PipelineLayerShards):
@@ -67,13 +76,57 @@ class _StageLayers(PipelineLayerShards):
     the weights are then set from ``zero/`` by :class:`_StageExtras`)."""
 
     def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        self.prepare_universal(ctx, load)()
+
+    def prepare_universal(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
         layers = self.layers
         try:
             self.layers = [(i, layer) for i, layer in layers
                            if os.path.isfile(os.path.join(ctx.tag_dir, self._name(i, ctx)))]
-            self.load_files(ctx, load)
+            return self.prepare_load(ctx, load)
         finally:
             self.layers = layers
+
+
+class _OptimizerState:
+    """A stage-0 optimizer state built from other files than this rank's model states (every old stage's file on a
+    re-partitioned load, the universal folders), read during the load's read phase and restored by its step; with
+    no ``build`` the masters follow the loaded weights."""
+
+    owns_optimizer_state = False
+    owns_module_state = False
+
+    def __init__(self, optimizer: Any, build: Callable[[], dict[str, Any]] | None) -> None:
+        self.optimizer, self.build = optimizer, build
+
+    def model_state_extras(self) -> dict[str, Any]:
+        return {}
+
+    def files_to_save(self, ctx: Any) -> dict[str, Any]:
+        return {}
+
+    def prepare_load(self, ctx: Any, load: Callable[[str], Any]) -> Callable[[], None]:
+        if self.build is None:
+            return self.optimizer.sync_master_from_model
+        state = self.build()
+        return lambda: self.optimizer.load_state_dict(state)
+
+    prepare_universal = prepare_load
+
+    def load_files(self, ctx: Any, load: Callable[[str], Any]) -> None:
+        self.prepare_load(ctx, load)()
+
+    load_universal = load_files
+
+
+def _read_first(path: str) -> dict[str, Any] | None:
+    """Stage 0's model states (memory-mapped), or None when unreadable: the load then reads it in its read phase
+    and reports the damage on every rank instead of this rank failing alone."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def stage_shards(engine: Any) -> tuple[Any, ...]:
@@ -116,8 +169,8 @@ def load(engine: Any, base_load: Callable[..., Any], load_dir: str, tag: Any, **
     first = os.path.join(load_dir, str(tag), model_states_name(0))
     if not os.path.isfile(first):
         return base_load(load_dir, tag, **kwargs)
-    saved = torch.load(first, map_location="cpu", weights_only=True, mmap=True)
-    parts = saved.get(_PARTS)
+    saved = _read_first(first)
+    parts = None if saved is None else saved.get(_PARTS)
     if parts is None or list(parts) == list(engine.module.parts):
         return base_load(load_dir, tag, **kwargs)
     return _load_repartitioned(engine, load_dir, str(tag), saved, **kwargs)
@@ -136,18 +189,16 @@ def _load_repartitioned(engine: Any, load_dir: str, tag: str, first: dict[str, A
                               f"{module.parts}: ZeRO's partitioned optimizer state loads only onto the same "
                               "partition; pass load_optimizer_states=False (weights, schedule and counters load) or "
                               "use the saved number of stages")
+    shards = tuple(stage_shards(engine))
+    if engine.optimizer is not None:  # read with every other file, before the ranks agree
+        build = (lambda: _gather_optimizer_state(engine, load_dir, tag, first)) if restore_optimizer else None
+        shards = (*shards, _OptimizerState(engine.optimizer, build))
     state = checkpointing.as_engine_state(engine)
-    state = dataclasses.replace(state, parallel=dataclasses.replace(state.parallel, mp_rank=0),
-                                shards=tuple(stage_shards(engine)))
+    state = dataclasses.replace(state, parallel=dataclasses.replace(state.parallel, mp_rank=0), shards=shards)
     path, client_state = checkpointing.load_checkpoint(
         state, load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=False,
         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
         custom_load_fn=custom_load_fn)
-    if engine.optimizer is not None:
-        if restore_optimizer:
-            engine.optimizer.load_state_dict(_gather_optimizer_state(engine, load_dir, tag, first))
-        else:
-            engine.optimizer.sync_master_from_model()
     if client_state is not None:
         client_state = {k: v for k, v in client_state.items() if k not in ("optimizer", _PARTS, _NAMES)}
     return path, client_state
@@ -205,24 +256,25 @@ def _load_universal(engine: Any, load_dir: str, tag: Any, load_module_strict: bo
         engine._require_states_in_place("load_checkpoint")
     tag = uc.resolve_universal_tag(os.fspath(load_dir), tag)
     first = os.path.join(os.fspath(load_dir), tag, model_states_name(0))
-    if os.path.isfile(first):
-        parts = torch.load(first, map_location="cpu", weights_only=True, mmap=True).get(_PARTS)
+    saved = _read_first(first) if os.path.isfile(first) else None
+    if saved is not None:
+        parts = saved.get(_PARTS)
         if parts is not None and parts[-1] != engine.module.parts[-1]:
             raise CheckpointError(f"{load_dir}/{tag}: the checkpoint's pipeline has {parts[-1]} layers, this "
                                   f"PipelineModule has {engine.module.parts[-1]}: they are different models")
     stage0 = _optimizer_model_params(engine.optimizer) is not None  # else ZeRO's shard restores its state
     state = checkpointing.as_engine_state(engine)
-    state = dataclasses.replace(state, parallel=dataclasses.replace(state.parallel, mp_rank=0))
+    shards = tuple(state.shards)
+    if stage0:  # the wrapper's state from the universal folders, read with every other file
+        tag_dir = os.path.join(os.fspath(load_dir), tag)
+        with_state = load_optimizer_states and not load_module_only
+        shards = (*shards, _OptimizerState(engine.optimizer, (lambda: _universal_optimizer_state(engine, tag_dir))
+                                           if with_state else None))
+    state = dataclasses.replace(state, parallel=dataclasses.replace(state.parallel, mp_rank=0), shards=shards)
     path, client_state = checkpointing.load_checkpoint(
         state, load_dir, tag=tag, load_module_strict=load_module_strict,
         load_optimizer_states=load_optimizer_states and not stage0, load_lr_scheduler_states=load_lr_scheduler_states,
         load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-    if path is not None and stage0:
-        if load_optimizer_states and not load_module_only:
-            tag_dir = os.path.join(os.fspath(load_dir), tag)
-            engine.optimizer.load_state_dict(_universal_optimizer_state(engine, tag_dir))
-        else:
-            engine.optimizer.sync_master_from_model()
     if client_state is not None:
         client_state = {k: v for k, v in client_state.items() if k not in ("optimizer", _PARTS, _NAMES)}
     return path, client_state
