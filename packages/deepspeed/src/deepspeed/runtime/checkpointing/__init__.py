@@ -50,19 +50,26 @@ Behaviour:
 - AutoTP (``tensor_parallel.autotp_size``) files hold the full weights, so they load at another TP size (a rank
   whose ``mp_rank_XX`` file a smaller TP size never wrote reads ``mp_rank_00``); optimizer states only at the
   saved size: otherwise :class:`CheckpointError` before anything is loaded, naming both sizes (``_tp_resize``).
-- Atomic: every file is written under a temporary name in its directory, fsynced, renamed, and the directory
-  fsynced; ``latest`` is written last, once every rank reports its files complete. A crash mid-save leaves
-  the previous checkpoint and ``latest`` intact.
+- Atomic: every rank writes its files under temporary names (fsynced); only when every rank's writes succeeded
+  are they renamed into place (directories fsynced), and ``latest`` is written last, by rank 0. A crash or a
+  write error (ENOSPC, EACCES, EIO) on any rank mid-save leaves the previous files of the tag and ``latest``
+  intact.
 - Collective-safe: ranks meet in the process group's store with a timeout; a save called on some ranks only
   raises :class:`CheckpointSyncError` naming the ranks that did not arrive (``DS_CHECKPOINT_TIMEOUT`` s).
+- Agreed failures: a load reads and checks every file each rank needs (unpickling, keys, shapes against the
+  live model and partitions) before any rank changes anything or enters a collective; then the ranks agree,
+  and a failure anywhere raises the same :class:`CheckpointRankError` on every rank, naming the rank, the file
+  and the cause (message format: ``_agreement``). A save agrees the same way after writing.
 - Loading uses ``torch.load(weights_only=True)`` (``EngineState.trusted_load`` opts out); an unreadable file
-  raises :class:`CorruptCheckpointError` naming it. No ``latest`` (and no tag), or no model-states file:
-  a warning and ``(None, None)``.
+  raises :class:`CorruptCheckpointError` naming it and why (empty, truncated, not a checkpoint file), with one
+  rank; with several, the :class:`CheckpointRankError` above. No ``latest`` (and no tag), or no model-states
+  file: a warning and ``(None, None)``.
 """
 
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
 from deepspeed.runtime.checkpointing._errors import (
     CheckpointError,
+    CheckpointRankError,
     CheckpointSyncError,
     CheckpointTagError,
     CorruptCheckpointError,
@@ -96,6 +103,7 @@ from deepspeed.runtime.checkpointing._state import (
 __all__ = [
     "LATEST_FILE",
     "CheckpointError",
+    "CheckpointRankError",
     "CheckpointShards",
     "CheckpointSyncError",
     "CheckpointTagError",

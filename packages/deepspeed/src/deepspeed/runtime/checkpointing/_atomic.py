@@ -2,7 +2,9 @@
 
 Why: a process killed mid-write (SIGKILL, node loss) must never leave a half-written file under the final
 name. ``os.replace`` within one directory is atomic on POSIX; fsyncing the file before the rename and the
-directory after it makes the new name durable across a power cut too.
+directory after it makes the new name durable across a power cut too. ``save_checkpoint`` splits the two halves
+(:func:`stage_write` on every rank, agree, then :func:`commit`) so that no rank renames anything until every
+rank's writes succeeded.
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ def read_model_states(state: EngineState, path: str) -> dict[str, Any]:
         raise content_error(path, f"holds a {type(checkpoint).__name__}, not a DeepSpeed model-states dict")
     missing = [key for key in _REQUIRED_KEYS if key not in checkpoint]
     if missing:
-        raise content_error(path, f"not a DeepSpeed model-states file: keys {missing} are missing (found "
-                                   f"{sorted(map(str, checkpoint))[:12]})")
+        raise content_error(path, f"missing keys {missing}: not a DeepSpeed model-states file (found "
+                                  f"{sorted(map(str, checkpoint))[:12]})")
     for key in ("global_steps", "skipped_steps", "global_samples", "micro_steps"):
         if key in checkpoint and not isinstance(checkpoint[key], (int, torch.Tensor)):
             raise content_error(path, f"key {key!r} holds a {type(checkpoint[key]).__name__}, not a step count")

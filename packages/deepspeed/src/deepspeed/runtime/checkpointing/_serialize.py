@@ -12,6 +12,7 @@ import errno
 import os
 import pickle
 import re
+import zipfile
 from typing import Any
 
 import torch
@@ -113,7 +114,7 @@ def damage_reason(path: str, exc: BaseException) -> str:
     if size == 0:
         return "empty file (0 bytes)"
     if head == _ZIP_MAGIC:
-        if "central directory" in detail or isinstance(exc, EOFError):
+        if not zipfile.is_zipfile(path):  # a zip's directory is at its end: a start without an end was cut short
             return f"truncated ({size} bytes; the zip archive has no end: the write or copy stopped early)"
         return f"corrupt ({size} bytes; {detail})"
     if isinstance(exc, (pickle.UnpicklingError, EOFError)):
