@@ -42,7 +42,8 @@ def train(engine, steps: int) -> None:
     for _ in range(steps):
         gen = torch.Generator().manual_seed(1000 * engine.global_steps + rank)
         x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        x = x.to(engine.module[0].weight.dtype)  # fp16/bf16 modules take inputs of their dtype
+        engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
         engine.step()
 
 

@@ -59,8 +59,9 @@ class BF16Config(DSConfigModel):
     """Enable bfloat16 mixed-precision training."""
     immediate_grad_update: Bool = True
     """Apply gradients to the fp32 master copy as soon as they are reduced (saves a gradient buffer)."""
-    check_grad_overflow: Bool = False
-    """Check bf16 gradients for inf/nan and skip the step when found."""
+    check_grad_overflow: Bool = True
+    """Check bf16 gradients for inf/nan and skip the step when found (DeepSpeed 0.19's default: without it one
+    NaN gradient silently turns every weight into NaN)."""
     bf16_master_weights_and_grads: Bool = False
     """Keep master weights and gradients in bf16 instead of fp32."""
     bf16_optimizer_states: Bool = False

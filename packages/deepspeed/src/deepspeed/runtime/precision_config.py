@@ -35,7 +35,7 @@ BFLOAT16 parameters should be of the format:
 "bf16": {
   "enabled": true,
   "immediate_grad_update": true,
-  "check_grad_overflow": false
+  "check_grad_overflow": true
 }
 """
 
