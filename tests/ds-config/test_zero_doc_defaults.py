@@ -70,9 +70,13 @@ def test_every_documented_class_is_parsed_and_modelled():
     assert sum(counts.values()) == 129
 
 
+# Read by DeepSpeed 0.19.8's parser, after the documented list (issue 26: keys DeepSpeed reads are not unknown).
+LATER = {"DeepSpeedZeroConfig": ["compute_grad_norm", "parameter_alignment"]}
+
+
 @pytest.mark.parametrize("name", sorted(CLASSES))
 def test_fields_match_documentation_exactly(name):
-    assert list(CLASSES[name].model_fields) == [row[0] for row in DOC[name]]
+    assert list(CLASSES[name].model_fields) == [row[0] for row in DOC[name]] + LATER.get(name, [])
 
 
 @pytest.mark.parametrize("cls_name,field,doc_type,doc_default,alias", ROWS,

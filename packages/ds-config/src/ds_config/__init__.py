@@ -68,6 +68,7 @@ from ds_config.scheduler import (
 from ds_config.schema import config_schema
 from ds_config.sparse_attention import SparseAttentionConfig
 from ds_config.training_features import EigenvalueConfig, ProgressiveLayerDropConfig
+from ds_config.unbuilt import INERT_KEYS, InertConfigKeyWarning
 from ds_config.zero import (
     DEFAULT_LEAF_MODULE_CLASSES,
     DeepSpeedZeroConfig,
@@ -156,6 +157,8 @@ __all__ = [
     "TorchAutocastConfig",
     "TPGroupConfig",
     "UnknownConfigKeyWarning",
+    "InertConfigKeyWarning",
+    "INERT_KEYS",
     "validate_section",
     "WandbConfig",
     "WarmupCosineLRParams",

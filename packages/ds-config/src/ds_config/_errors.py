@@ -72,6 +72,9 @@ def did_you_mean(key: str, known: Iterable[str]) -> str:
     if not match:
         lowered = {k.lower(): k for k in known}
         match = [lowered[key.lower()]] if key.lower() in lowered else []
+    if not match:  # a word of a longer key ('step' for 'profile_step'), when only one key has it
+        match = [k for k in known if key.lower() in k.lower().split("_") and len(key) >= 3]
+        match = match if len(match) == 1 else []
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 

@@ -42,6 +42,8 @@ class AutotuningConfig(DSConfigModel):
     """Tune only ZeRO stages and micro batch sizes."""
     max_train_batch_size: PosInt | None = None
     """Upper bound of the global batch of the tuned configurations (None: no bound)."""
+    min_train_batch_size: PosInt = 1
+    """Read by DeepSpeed but never used by its autotuner (nor here)."""
     max_train_micro_batch_size_per_gpu: PosInt = 1024
     """Largest micro batch size per rank tried."""
     min_train_micro_batch_size_per_gpu: PosInt = 1

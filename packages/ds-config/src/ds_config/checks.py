@@ -74,9 +74,29 @@ def _elasticity(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
                              "remove this key or set elasticity.ignore_non_elastic_batch_info") for k in given]
 
 
+def _reduction(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
+    """DeepSpeed's refusals of ``gradient_allreduce_op: sum`` and of a ``param_dtype`` off the precision."""
+    out = []
+    if cfg.gradient_allreduce_op == "sum":
+        for name, on in (("ZeRO stage 3", cfg.zero_stage == 3), ("ZenFlow", cfg.zero_optimization.zenflow is not None),
+                         ("DeepCompile", cfg.compile.deepcompile)):
+            if on:
+                out.append(ConfigProblem("gradient_allreduce_op", f"'sum' is not supported with {name}; accepted "
+                                         "there: 'mean'", "sum"))
+    if not cfg.zero_optimization.compute_grad_norm and cfg.zero_stage not in (1, 2):
+        out.append(ConfigProblem("zero_optimization.compute_grad_norm", "false is supported only with ZeRO stage 1 "
+                                 f"or 2 (zero_optimization.stage is {cfg.zero_stage})", False))
+    param_dtype = cfg.data_types.param_dtype
+    if param_dtype is not None and param_dtype != cfg.precision:
+        out.append(ConfigProblem("data_types.param_dtype", f"conflicts with the training precision "
+                                 f"({cfg.precision}, from fp16/bf16.enabled): set the matching 'enabled' flag or "
+                                 f"leave param_dtype out", param_dtype))
+    return out
+
+
 def find_problems(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
     """Every cross-section problem of ``cfg`` (empty when the combination is runnable)."""
-    return _precision(cfg) + _parallel(cfg) + _elasticity(cfg)
+    return _precision(cfg) + _parallel(cfg) + _elasticity(cfg) + _reduction(cfg)
 
 
 def check_compatibility(cfg: DeepSpeedConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from ds_config._base import DSConfigModel
-from ds_config._types import Bool
+from ds_config._types import Bool, NonNeg
 
 
 class CompileConfig(DSConfigModel):
@@ -35,6 +35,9 @@ class CompileConfig(DSConfigModel):
     sync_after_allgather: Bool = False
     keep_int_input_tensors: Bool = True
     keep_all_input_tensors: Bool = False
+    free_activation_threshold: NonNeg = 10 * 1024 * 1024
+    """Bytes; activations at least this large are freed eagerly (DeepCompile's free-activation mode)."""
+    offload_activation_pin_memory: Bool = True
 
     @property
     def autosp(self) -> bool:

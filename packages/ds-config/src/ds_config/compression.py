@@ -346,3 +346,5 @@ class CompressionConfig(DSConfigModel):
     """Output-channel pruning of the first of two back-to-back Conv2d layers."""
     layer_reduction: LayerReductionConfig = Field(default_factory=LayerReductionConfig)
     """Keep a subset of the teacher's layers."""
+    shared_parameters: dict[str, Any] | None = None
+    """Read by DeepSpeed only as the gate of ``quantize_training``'s eigenvalue settings; no effect here."""

@@ -11,9 +11,9 @@ import math
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PlainValidator, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from ds_config._base import AUTO, Deprecated, DeprecatedConfigWarning, DSConfigModel, KeepAuto, keeps_auto
+from ds_config._base import AUTO, Deprecated, DeprecatedConfigWarning, DSConfigModel, KeepAuto, is_own_state, keeps_auto
 from ds_config._errors import ConfigError, ConfigProblem, join_path
 from ds_config._types import Auto, AutoPosInt, Bool, DType, Float, PosInt
 from ds_config.activation_checkpointing import ActivationCheckpointingConfig
@@ -29,6 +29,7 @@ from ds_config.data_efficiency import CurriculumLearningConfig, DataEfficiencyCo
 from ds_config.elastic import elastic_batch_sizes
 from ds_config.elasticity import ElasticityConfig
 from ds_config.flops_profiler import FlopsProfilerConfig
+from ds_config.inference import WeightQuantConfig
 from ds_config.monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from ds_config.optimizer import OptimizerConfig
 from ds_config.parallel import ExpertParallelConfig, TensorParallelConfig
@@ -37,6 +38,7 @@ from ds_config.precision import AMPConfig, BF16Config, DataTypesConfig, FP16Conf
 from ds_config.scheduler import SchedulerConfig
 from ds_config.sparse_attention import SparseAttentionConfig
 from ds_config.training_features import EigenvalueConfig, ProgressiveLayerDropConfig
+from ds_config.unbuilt import HybridEngineConfig, NebulaConfig, TimersConfig, warn_inert_keys
 from ds_config.zero import DeepSpeedZeroConfig
 
 
@@ -54,6 +56,12 @@ def _steps_per_print(value: Any) -> int | float:
 StepsPerPrint = Annotated[int | float, PlainValidator(_steps_per_print,
                                                       json_schema_input_type=int | Literal["Infinity"])]
 GradientClipping = Annotated[Annotated[Float, Field(ge=0)] | Auto, KeepAuto()]
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TENSOR_CORE_ALIGN_SIZE = 8
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
 
 
 class DeepSpeedConfig(DSConfigModel):
@@ -89,14 +97,24 @@ class DeepSpeedConfig(DSConfigModel):
     """Divide gradients by this factor before averaging (fp16 stability at large scale)."""
     sparse_gradients: Bool = False
     """Sparse all-reduce of ``torch.nn.Embedding`` gradients (essentially deprecated)."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """Data-parallel gradient reduction: ``mean`` averages over the data-parallel ranks, ``sum`` adds them
+    (no division; not with ZeRO-3, DeepCompile or ZenFlow). Case-insensitive."""
     communication_data_type: DType | None = None
     """dtype of gradient communication; ``None`` follows the training precision."""
     seq_parallel_communication_data_type: DType = "fp32"
     """dtype of sequence-parallel communication."""
+    data_parallel_size: PosInt | None = None
+    """With ``sequence_parallel_size``: the data-parallel size of the (data, sequence) mesh; it must equal the
+    world size over ``sequence_parallel_size`` (the engine checks)."""
     sequence_parallel_size: PosInt = 1
     """Ranks that split each sample's sequence (DeepSpeed-Ulysses, AutoSP); without a client ``mpu`` the engine
     builds groups of this many consecutive ranks, and the data-parallel size is the world size over it."""
     disable_allgather: Bool = False
+    use_data_before_expert_parallelism: Bool = False
+    """MoE groups: consecutive ranks form the expert-data-parallel groups instead of the expert-parallel ones."""
+    allgather_size: PosInt | None = None
+    """With the deprecated ``"zero_optimization": true``: its ``allgather_bucket_size``."""
 
     # -- precision --
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -115,6 +133,8 @@ class DeepSpeedConfig(DSConfigModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    dataloader_drop_last: Bool = False
+    """``deepspeed_io``'s data loader drops each rank's last, incomplete micro batch."""
 
     # -- logging, profiling, monitoring --
     steps_per_print: StepsPerPrint = 10
@@ -125,6 +145,10 @@ class DeepSpeedConfig(DSConfigModel):
     """Print the engine's state after initialisation."""
     memory_breakdown: Bool = False
     """Report memory use at key points."""
+    log_level: Literal[LOG_LEVELS] | None = None
+    """Level of DeepSpeed's logger set by ``initialize`` (case-insensitive); ``None`` keeps it."""
+    vocabulary_size: PosInt | None = None
+    """Only checked: a size that is not a multiple of 8 gets DeepSpeed's tensor-core alignment warning."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
@@ -143,6 +167,17 @@ class DeepSpeedConfig(DSConfigModel):
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
 
+    # -- read by DeepSpeed's parser, features not built here (validated; unbuilt.INERT_KEYS warns) --
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    nebula: NebulaConfig = Field(default_factory=NebulaConfig)
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    weight_quantization: WeightQuantConfig | None = None
+    datastates_ckpt: dict[str, Any] | Bool | None = None
+    graph_harvesting: Bool = False
+    disable_python_gc: Bool = False
+    managed_gradient_accumulation: Bool = True
+    quantize_training: dict[str, Any] | None = None
+
     _batch: BatchSizes | None = PrivateAttr(default=None)
 
     @classmethod
@@ -151,6 +186,30 @@ class DeepSpeedConfig(DSConfigModel):
         from ds_config.loader import load_config
 
         return load_config(source, world_size=world_size, strict=strict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_only_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and not is_own_state(cls, data, info):
+            warn_inert_keys(data)
+            if data.get("zero_optimization") is True and data.get("allgather_size") is not None:
+                warnings.warn("a boolean 'zero_optimization' is deprecated; use {\"stage\": N} (allgather_size "
+                              "becomes zero_optimization.allgather_bucket_size)", DeprecatedConfigWarning, stacklevel=2)
+                data = {**data, "zero_optimization": {"stage": 1, "allgather_bucket_size": data["allgather_size"]}}
+        return data
+
+    @field_validator("gradient_allreduce_op", "log_level", mode="before")
+    @classmethod
+    def _case_insensitive(cls, value: Any) -> Any:
+        return _lower(value)
+
+    @field_validator("vocabulary_size")
+    @classmethod
+    def _tensor_core_alignment(cls, value: int | None) -> int | None:
+        if value is not None and value % TENSOR_CORE_ALIGN_SIZE:
+            warnings.warn(f"vocabulary_size {value} is not a multiple of {TENSOR_CORE_ALIGN_SIZE}: tensor-core "
+                          "utilisation may suffer (DeepSpeed's warning)", UserWarning, stacklevel=2)
+        return value
 
     @field_validator("sparse_gradients")
     @classmethod

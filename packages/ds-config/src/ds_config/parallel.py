@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from ds_config._base import DSConfigModel
-from ds_config._types import Bool, DType, Int, NonNeg, PosInt
+from ds_config._types import Bool, DType, Float, Int, NonNeg, PosInt
 
 AUTOTP_PRESETS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")
 AUTOEP_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3")
@@ -61,6 +61,10 @@ class TPGroupConfig(DSConfigModel):
     tp_size: PosInt = 1
     tp_grain_size: PosInt = 1
     """Shard sizes are multiples of this many elements."""
+    mpu: Any = None
+    """A Python object (not JSON); AutoTP training takes its groups from ``initialize``'s ``mpu`` instead."""
+    tp_group: Any = None
+    """A process group (not JSON); see ``mpu``."""
 
 
 class TensorParallelConfig(DSConfigModel):
@@ -81,6 +85,8 @@ class TensorParallelConfig(DSConfigModel):
                                                                                   "kernel_inject"))
     tp: TPGroupConfig = Field(default_factory=TPGroupConfig,
                               validation_alias=AliasChoices("tp", "tensor_parallel"))
+    injection_policy_tuple: Any = None
+    """Kernel-injection policies (Python classes; an inference feature, no effect on AutoTP training)."""
 
     @field_validator("preset_model", mode="before")
     @classmethod
@@ -103,6 +109,31 @@ class ExpertParallelConfig(DSConfigModel):
     """Model family: mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3."""
     load_balance_coeff: float | None = None
     """Expert-bias (auxiliary-loss-free) load balancing; not supported yet, so only ``null`` is accepted."""
+    # DeepSpeed's overrides of preset detection, routing and kernels: validated, no effect here (see unbuilt)
+    expert_tensor_parallel_size: PosInt = 1
+    validate_folding_routing: Bool = False
+    moe_layer_pattern: str | None = None
+    expert_pattern: str | None = None
+    router_pattern: str | None = None
+    use_grouped_mm: Bool = True
+    disable_triton_grouped_mm: Bool = False
+    route_norm: Bool | None = None
+    route_scale: Float = 1.0
+    score_apply: str = "auto"
+    combine_impl: str = "auto"
+    num_expert_groups: PosInt | None = None
+    num_limited_groups: PosInt | None = None
+    score_func: str = "auto"
+    top_k: PosInt | Literal["auto"] = "auto"
+    routed_scaling_factor: Float | Literal["auto"] = "auto"
+    expert_w1: str | None = None
+    expert_w2: str | None = None
+    expert_w3: str | None = None
+    num_experts_attr: str | None = None
+    top_k_attr: str | None = None
+    has_shared_experts: Bool | None = None
+    shared_experts_pattern: str | None = None
+    shared_experts_gate_pattern: str | None = None
 
     @field_validator("preset_model", mode="before")
     @classmethod

@@ -25,6 +25,9 @@ class PipelineConfig(DSConfigModel):
     """Partition activations sent between stages across the tensor-parallel group."""
     grad_partitioned: Bool = True
     """Partition gradients sent between stages across the tensor-parallel group."""
+    use_reentrant: Bool | None = None
+    """``false``: activation checkpointing of the pipeline's layers uses DeepSpeed's non-reentrant checkpoint;
+    ``true``/``null``: DeepSpeed's (reentrant) default."""
 
     @field_validator("partition")
     @classmethod

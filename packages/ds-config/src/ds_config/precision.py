@@ -113,3 +113,10 @@ class DataTypesConfig(DSConfigModel):
 
     grad_accum_dtype: DType | None = None
     """dtype of gradient accumulation; ``None`` matches the model's dtype."""
+    param_dtype: DType | None = None
+    """Must match the training precision (fp16 / bf16 / fp32) when given; the weights follow the precision."""
+    buffer_dtype: DType | None = None
+    """Cast the model's floating-point buffers to this dtype; ``None`` leaves them to the precision cast."""
+    keep_in_fp32_modules: list[str] | None = None
+    """DeepSpeed 0.19.8: name patterns of modules whose buffers stay fp32 (``"auto"``: the Hugging Face model's
+    own list); validated, no effect here."""

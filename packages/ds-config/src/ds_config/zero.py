@@ -240,6 +240,11 @@ class DeepSpeedZeroConfig(SectionModel):
 
     leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)
     """Modules ZeRO-3 treats as leaf modules."""
+    compute_grad_norm: Bool = True
+    """DeepSpeed 0.19.8: skip the global gradient norm of stage 1/2 steps when false (validated; the norm is
+    always computed here)."""
+    parameter_alignment: Bool = False
+    """DeepSpeed 0.19.8: 16-byte-align each parameter in stage 1/2 flat buffers (validated; no effect here)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 from ds_ops.aio import AioError, AsyncIOHandle
+from ds_zero.swap._jitter import maybe_jitter
 
 _SWAPPERS = itertools.count()
 
@@ -89,7 +90,8 @@ def aio_settings(aio: Any) -> dict[str, Any]:
 
 
 def new_handle(aio: Any) -> AsyncIOHandle:
-    return AsyncIOHandle(**aio_settings(aio))
+    """An aio handle for a swapper (with the test-only jitter of ``ds_zero.swap._jitter`` when asked for)."""
+    return maybe_jitter(AsyncIOHandle(**aio_settings(aio)))
 
 
 def annotate(exc: AioError, what: str) -> AioError:

@@ -12,6 +12,17 @@ size overwrite it in place. Re-creating the file for every write cost a third of
 (create + fallocate + rename and the freed old extents, per tensor); the price is that a write failing midway
 leaves that file partly new, which is harmless as the failed step raises and its sub-groups are not read back
 as a consistent state.
+
+Ownership of the buffers (the rule of :mod:`ds_zero.swap.buffer_pool`, checked by the pool). A sub-group's
+buffers (master, each state, gradient) are taken by ``run`` for that sub-group alone. Read into: they are in
+flight on the *reader* until the reader's wait at the top of that sub-group's turn; only then does ``step``
+see them (checked), and the next sub-group's prefetch starts only after that wait, so one reader wait never
+has to cover a read the step is not yet allowed to use. Written back: they are in flight on the *writer*
+until ``_finish_write`` waits for it, and only then go back to the pool; a prefetch that lacks buffers first
+finishes that write. The tensors ``step`` returns must be its own buffers (or new memory, kept referenced
+until the write is waited for). ``fast_init`` writes each master from a pool buffer that returns to the pool
+only after the writer's wait. The gradient file is read and written synchronously (no buffer of the pool).
+After a failure every handle is waited for before the buffers are reclaimed.
 """
 
 from __future__ import annotations
@@ -203,6 +214,7 @@ class OptimizerSwapper:
                 buffers, writing = self._take(i, writing)
                 views = self._read_into(i, buffers)
             self._wait(self.reader, f"swap in optimizer sub-group {i}", write=False)
+            self.pool.check_ready(views.values())  # read and waited for: now the step may use them
             prefetched = None
             if s.pipeline_read and k + 1 < len(ids):
                 more, writing = self._take(ids[k + 1], writing, required=False)
@@ -245,11 +257,23 @@ class OptimizerSwapper:
         return views
 
     # ---- I/O ------------------------------------------------------------------------------------------------
+    def _begin(self, t: torch.Tensor, handle: Any, what: str) -> None:
+        """Tell the pool (if any) that ``t``'s buffer is in flight on ``handle`` until its wait."""
+        if self._pool is not None:
+            self._pool.begin(t, handle, what)
+
+    def _abort(self, t: torch.Tensor) -> None:
+        if self._pool is not None:
+            self._pool.abort(t)
+
     def _start_reads(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
+            path = self.path(i, name)
+            self._begin(t, self.reader, f"read of {os.path.basename(path)}")
             try:
-                self.reader.async_pread(t, self.path(i, name))
+                self.reader.async_pread(t, path)
             except AioError as exc:
+                self._abort(t)
                 raise annotate(exc, f"swap in optimizer sub-group {i} ({name})") from None
             self.stats.read_bytes += t.numel() * t.element_size()
 
@@ -263,10 +287,13 @@ class OptimizerSwapper:
             if t.numel() != numel or t.dtype != torch.float32:
                 raise ValueError(f"optimizer swapper: sub-group {i}'s {name!r} is {t.dtype} x {t.numel()}, the "
                                  f"master float32 x {numel}")
+            path = self.path(i, name)
+            self._begin(t, self.writer, f"write of {os.path.basename(path)}")
             try:
                 # a file of this size exists: overwrite it (see the module docstring); else create it whole
-                self.writer.async_pwrite(t.contiguous(), self.path(i, name), whole_file=name not in on_disk)
+                self.writer.async_pwrite(t.contiguous(), path, whole_file=name not in on_disk)
             except AioError as exc:
+                self._abort(t)
                 raise annotate(exc, f"swap out optimizer sub-group {i} ({name})") from None
             self.stats.write_bytes += t.numel() * t.element_size()
         self.names[i] = [MASTER] + sorted(n for n in tensors if n != MASTER)
@@ -278,7 +305,9 @@ class OptimizerSwapper:
             handle.wait()
         except AioError as exc:
             raise annotate(exc, what) from None
-        finally:
+        finally:  # returned or raised, the wait covered every request of the handle
+            if self._pool is not None:
+                self._pool.settle(handle)
             spent = time.perf_counter() - start
             if write:
                 self.stats.write_s += spent

@@ -9,6 +9,14 @@ says come next) and never takes more than the pool holds. A gather that needs mo
 pool has (gathering a whole model for a checkpoint) uses temporary buffers for the rest. ``max_in_cpu``
 elements of partitions stay in CPU memory and are never swapped. Updated partitions are written through at
 once, so the file is always the current value.
+
+Ownership of the buffers (the rule of :mod:`ds_zero.swap.buffer_pool`, checked by the pool): a buffer taken by
+``prefetch`` or ``swap_in`` belongs to one partition. While its read is in flight (``reading``) nothing may
+use it: ``swap_in``, ``write`` and ``release_all`` first wait for the reader, and only a waited-for read
+makes the partition ``resident``, whose buffer ``install`` may then point ``ds_tensor`` at (checked). It goes
+back to the pool when the partition is released, or after a failed read only once the reader was waited for.
+Writes never go from a pool buffer: their source (``value``) is kept referenced until ``flush`` waits for the
+writer, and a second write of one file first flushes the one in flight.
 """
 
 from __future__ import annotations
@@ -130,9 +138,15 @@ class ParamSwapper:
 
     def _start_read(self, param: Any, buffer: torch.Tensor) -> None:
         view = buffer.narrow(0, 0, param.ds_tensor.numel())
+        pool = self._pools.get(view.dtype)
+        if pool is not None:  # a temporary buffer (not the pool's) is not tracked
+            pool.begin(view, self.reader, f"read of parameter partition {param.ds_id}")
         try:
             self.reader.async_pread(view, self.path(param))
         except AioError as exc:
+            if pool is not None and pool.owns(buffer):  # refused at submission: nothing in flight, buffer unused
+                pool.abort(view)
+                pool.put(buffer)
             raise annotate(exc, f"swap in parameter partition {param.ds_id} (shape {tuple(param.ds_shape)})") \
                 from None
         self.reading[param.ds_id] = (param, buffer)
@@ -143,20 +157,29 @@ class ParamSwapper:
         try:
             self.reader.wait()
         except AioError as exc:
+            self._settle_reads()
             # none of the buffers read in this batch may be installed later as if it held the partition: they go
             # back to the pool and the partitions stay on NVMe only (a retry reads them again)
             failed, self.reading = list(self.reading.values()), {}
             for param, buffer in failed:
                 self._give_back(param, buffer)
             raise annotate(exc, "swap in parameter partitions") from None
+        self._settle_reads()
         self.resident.update(self.reading)
         self.reading.clear()
+
+    def _settle_reads(self) -> None:
+        for pool in self._pools.values():
+            pool.settle(self.reader)
 
     def install(self, params: list[Any]) -> None:
         """Point the ``ds_tensor`` of resident partitions at their buffers (after ``swap_in``)."""
         for p in params:
             if is_swapped(p) and p.ds_id in self.resident:
                 view = p.ds_swap_view
+                pool = self._pools.get(view.dtype)
+                if pool is not None:
+                    pool.check_ready([view])
                 view.ds_numel = view.numel()
                 p.ds_tensor = view
 
