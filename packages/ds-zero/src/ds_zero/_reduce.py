@@ -53,6 +53,8 @@ class ReduceSettings:
     comm_dtype: torch.dtype | None = None
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    average: bool = True
+    """False (``gradient_allreduce_op: sum``): the plain sum over the ranks, no factor before or after."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -267,6 +269,7 @@ class PartitionedReducer:
         self._pack(bucket)
         flat, channel = bucket.flat, bucket.channel
         pre = 1.0 / channel.divisor if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
+        pre = pre if s.average else 1.0
         if pre != 1.0:
             flat.mul_(pre)
         if channel.world > 1:
@@ -330,7 +333,7 @@ class PartitionedReducer:
             piece.add_(buf)
         bucket.received = []
         s = self.settings
-        post = 1.0 if s.prescale_gradients else s.gradient_predivide_factor / bucket.channel.divisor
+        post = 1.0 if s.prescale_gradients or not s.average else s.gradient_predivide_factor / bucket.channel.divisor
         if post != 1.0:
             bucket.flat.mul_(post)
         self._write_back(bucket)

@@ -108,6 +108,12 @@ class ConfigAccessors:
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
 
+    def dataloader_drop_last(self) -> bool:
+        return self._config.dataloader_drop_last
+
+    def gradient_allreduce_op(self) -> str:
+        return self._config.gradient_allreduce_op
+
     def gradient_predivide_factor(self) -> float:
         return self._config.gradient_predivide_factor
 

@@ -178,4 +178,5 @@ class DataMethods:
                                    self.local_rank, None, collate_fn=collate_fn,
                                    num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
                                    data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank,
+                                   dataloader_drop_last=self._config.dataloader_drop_last,
                                    deepspeed_dataloader_config=dataloader_config(self, route))

@@ -47,10 +47,41 @@ def place(engine: Any, mpu: Any, dp_group: Any) -> None:
         else engine.dp_world_size
     engine.global_rank = dist.get_rank() if distributed else 0
     engine.world_size = dist.get_world_size() if distributed else 1
+    _apply_logging_and_mesh_keys(engine, engine._config)
     engine.local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accelerator = get_accelerator()
     accelerator.set_device(engine.local_rank)  # one device per local rank (a no-op on the CPU)
     engine.device = torch.device(accelerator.device_name(engine.local_rank))
+
+
+def _apply_logging_and_mesh_keys(engine: Any, config: Any) -> None:
+    """``log_level`` sets DeepSpeed's logger (and its handlers); ``data_parallel_size`` must be the data-parallel
+    size the groups have (world / sequence_parallel_size without an mpu)."""
+    if config.log_level is not None:
+        from deepspeed.utils import logger
+
+        level = getattr(logging, config.log_level.upper())
+        logger.setLevel(level)
+        for handler in logger.handlers:
+            handler.setLevel(level)
+    wanted = config.data_parallel_size
+    if wanted is not None and wanted != engine.dp_world_size:
+        raise ConfigError(ConfigProblem("data_parallel_size", f"the data-parallel group has {engine.dp_world_size} "
+                                        f"ranks (world size {engine.world_size}, sequence_parallel_size "
+                                        f"{engine.sequence_parallel_size}); set it to "
+                                        f"{engine.dp_world_size} or leave it out", wanted))
+
+
+def cast_buffers(module: torch.nn.Module, config: Any) -> None:
+    """``data_types.buffer_dtype``: the module's floating-point buffers in that dtype (after the precision cast)."""
+    name = config.data_types.buffer_dtype
+    if name is None:
+        return
+    dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[name])
+    for buffer_owner in module.modules():
+        for key, buf in buffer_owner._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                buffer_owner._buffers[key] = buf.to(dtype)
 
 
 def distribute_module(engine: Any, config: Any, mpu: Any) -> None:
@@ -62,7 +93,7 @@ def distribute_module(engine: Any, config: Any, mpu: Any) -> None:
         if config.zero_stage == 3:
             raise ConfigError(ConfigProblem("zero_optimization.stage", "MoE layers (ds_moe / deepspeed.moe) train "
                                             "with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
-        _moe_setup.configure(engine.module, mpu)
+        _moe_setup.configure(engine.module, mpu, config.use_data_before_expert_parallelism)
     engine.zero3_scheduler = None
     if config.zero_stage == 3:
         from deepspeed.runtime._zero3_setup import partition_model

@@ -38,6 +38,8 @@ class ReduceOptions:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     autocast_dtype_of: dict[torch.nn.Parameter, torch.dtype] = field(default_factory=dict)
+    average: bool = True
+    """False: ``gradient_allreduce_op`` is ``sum``, the plain sum over the ranks (no factor before or after)."""
 
     def comm_dtype(self, param: torch.nn.Parameter, grad_dtype: torch.dtype) -> torch.dtype:
         if self.communication_data_type is not None:
@@ -49,6 +51,8 @@ class ReduceOptions:
     @property
     def pre_factor(self) -> float:
         """Multiplier applied before the sum."""
+        if not self.average:
+            return 1.0
         if self.prescale_gradients:
             return 1.0 / self.world_size
         return 1.0 / self.gradient_predivide_factor
@@ -56,7 +60,7 @@ class ReduceOptions:
     @property
     def post_factor(self) -> float:
         """Multiplier applied after the sum."""
-        if self.prescale_gradients:
+        if not self.average or self.prescale_gradients:
             return 1.0
         return self.gradient_predivide_factor / self.world_size
 

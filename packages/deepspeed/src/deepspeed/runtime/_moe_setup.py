@@ -82,7 +82,7 @@ def reducer(params: list[torch.nn.Parameter], wrapper: Any, options: ReduceOptio
                              communication_data_type=options.communication_data_type,
                              fp32_allreduce=options.fp32_allreduce, prescale_gradients=options.prescale_gradients,
                              gradient_predivide_factor=options.gradient_predivide_factor,
-                             autocast_dtype_of=options.autocast_dtype_of)
+                             autocast_dtype_of=options.autocast_dtype_of, average=options.average)
         parts.append((members, BucketedAllReduce(members, wrapper, opts)))
         if name is not None:
             wrapper.expert_norm_groups[name] = groups._get_expert_parallel_group(name)

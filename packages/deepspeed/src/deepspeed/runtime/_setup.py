@@ -138,7 +138,8 @@ def reduce_options(config: Any, params: list[torch.nn.Parameter], dp_group: Any,
     autocast = autocast_comm_dtypes(params) if config.torch_autocast_enabled else {}
     return ReduceOptions(world_size=world, group=dp_group, communication_data_type=_comm_dtype(config),
                          fp32_allreduce=bool(config.fp32_allreduce), prescale_gradients=bool(config.prescale_gradients),
-                         gradient_predivide_factor=float(config.gradient_predivide_factor), autocast_dtype_of=autocast)
+                         gradient_predivide_factor=float(config.gradient_predivide_factor), autocast_dtype_of=autocast,
+                         average=config.gradient_allreduce_op == "mean")
 
 
 def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:

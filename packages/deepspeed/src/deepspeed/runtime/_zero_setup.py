@@ -79,7 +79,8 @@ def zero_settings(config: Any) -> Any:
         ignore_unused_parameters=bool(zero.ignore_unused_parameters),
         comm_dtype=_comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
         prescale_gradients=bool(config.prescale_gradients),
-        gradient_predivide_factor=float(config.gradient_predivide_factor))
+        gradient_predivide_factor=float(config.gradient_predivide_factor),
+        average=config.gradient_allreduce_op == "mean")
     check = (config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
              or _loss_scaler(config) is not None)  # torch_autocast fp16 scales the loss too
     return ZeroSettings(stage=stage, reduce=reduce, allgather_bucket_numel=int(zero.allgather_bucket_size),

@@ -55,6 +55,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         _engine_setup.place(self, mpu, dp_group)
         self.module = _setup.prepare_module(model, config, self.device)
+        _engine_setup.cast_buffers(self.module, config)
         self.compression_scheduler = build_compression_scheduler(self, config)  # compression_training
         _engine_setup.distribute_module(self, config, mpu)  # MoE groups; ZeRO-3 partitions or a broadcast
         if config.torch_autocast_enabled:

@@ -424,7 +424,11 @@ def _apply_pipeline_config(model: PipelineModule, config: Any) -> None:
         raise ConfigError(*problems)
     if section.activation_checkpoint_interval > 0:
         model.set_checkpoint_interval(section.activation_checkpoint_interval)
-    if model.activation_checkpoint_func is pipe_module.checkpoint:
+    if section.use_reentrant is False:  # as DeepSpeed: the config's choice replaces any module's function
+        from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+        model.activation_checkpoint_func = non_reentrant_checkpoint
+    elif model.activation_checkpoint_func is pipe_module.checkpoint:
         # ds-pipe cannot import deepspeed, so its default is torch's checkpoint; under the engine, DeepSpeed's
         # default (deepspeed.checkpointing: the RNG tracker, partition_activations, checkpoint_in_cpu) takes over
         from deepspeed import checkpointing
