@@ -12,6 +12,9 @@
 #   -o DIR        results folder (default: a new temporary folder); re-running into it resumes (-r) or overwrites
 #   -r            resume: skip files that already have a result in DIR
 #   -m FILE       also write the table as markdown to FILE
+# DeepSpeed's tests import a few packages themselves (py-cpuinfo, hjson: DeepSpeed's own dependencies; mup): they
+# are installed once with that python's pip into .venvs/upstream-test-extras-<python>, put on PYTHONPATH for the
+# run only, so the project's environments stay as hatch.toml declares them.
 # Env: DS_ACCELERATOR (cpu), LOCAL_SIZE (4), DS_UNITTEST_TIMEOUT (DeepSpeed's own per-test rank timeout; default
 # 300), passed to every file. The Hugging Face hub is put offline so tests needing a download fail fast.
 #
@@ -56,7 +59,12 @@ printf '%s\n' "${files[@]}" > "$out/files.txt"
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" LOCAL_SIZE="${LOCAL_SIZE:-4}"
 export DS_UNITTEST_TIMEOUT="${DS_UNITTEST_TIMEOUT:-300}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
-export PYTHONPATH="$root/scripts${PYTHONPATH:+:$PYTHONPATH}"
+extras="$root/.venvs/upstream-test-extras-$("$python" -c 'import sys, hashlib; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:8])')"
+if ! PYTHONPATH="$extras" "$python" -c "import cpuinfo, hjson, mup" >/dev/null 2>&1; then
+  "$python" -m pip install -q --disable-pip-version-check --target "$extras" py-cpuinfo hjson >&2
+  "$python" -m pip install -q --disable-pip-version-check --no-deps --target "$extras" mup >&2  # torch-only use
+fi
+export PYTHONPATH="$root/scripts:$extras${PYTHONPATH:+:$PYTHONPATH}"
 
 cd "$work/tests"
 imported="$("$python" -c "import sys; sys.path.insert(1, '..'); import deepspeed; print(deepspeed.__file__)")"

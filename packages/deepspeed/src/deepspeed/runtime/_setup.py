@@ -142,6 +142,26 @@ def reduce_options(config: Any, params: list[torch.nn.Parameter], dp_group: Any,
                          average=config.gradient_allreduce_op == "mean")
 
 
+def _legacy_class(optimizer: torch.optim.Optimizer, fp32_grad_accum: bool) -> type[MixedPrecisionOptimizer]:
+    """DeepSpeed's class for the stage-0 fp16/bf16 wrapper: ``BF16_Optimizer`` with fp32 gradient accumulation,
+    ``FP16_Optimizer`` around a fused optimizer (FusedAdam, 1-bit Adam), else ``FP16_UnfusedOptimizer``."""
+    if fp32_grad_accum:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+        return BF16_Optimizer
+    from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
+    from deepspeed.runtime.fp16.onebit.zoadam import ZeroOneAdam
+    from ds_ops.adam.fused_adam import FusedAdam
+
+    if isinstance(optimizer, FusedAdam | OnebitAdam | ZeroOneAdam):
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+        return FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    return FP16_UnfusedOptimizer
+
+
 def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """Plain data parallelism: the precision wrapper and an overlapped bucketed all-reduce."""
     config = inputs.config
@@ -155,8 +175,10 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
     scope = norm_scope(inputs.mpu) if clip > 0 or check or scaler is not None else LOCAL
     common = dict(clip=clip, loss_scaler=scaler, dp_group=inputs.dp_group, norm_scope=scope)
     if config.precision in ("fp16", "bf16"):
-        wrapper: OptimizerWrapper = MixedPrecisionOptimizer(inputs.basic_optimizer, check_overflow=check,
-                                                            fp32_grad_accum=_grad_accum_fp32(config), **common)
+        fp32_accum = _grad_accum_fp32(config)
+        wrapper: OptimizerWrapper = _legacy_class(inputs.basic_optimizer, fp32_accum).from_engine(
+            inputs.basic_optimizer, low_precision_dtype=_LOW_DTYPES[config.precision], check_overflow=check,
+            fp32_grad_accum=fp32_accum, **common)
     else:
         if config.data_types.grad_accum_dtype not in (None, "fp32", "float32"):
             raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", "fp32 training accumulates gradients in "
