@@ -5,7 +5,9 @@ waiting 6000ms for recv operation", naming neither the peer's rank nor what happ
 forward, backward and step inside :func:`named_peer_failures`, which turns such a transport error into a
 :class:`PeerFailureError` naming this rank, the phase, the global step, and for each peer what this host can see
 of it: every engine posts ``<host> <pid>`` to the process group's store at start (:func:`announce`), so a
-survivor on the same host reads the peer's process state (gone, stopped by SIGSTOP, a zombie) from ``/proc``.
+survivor on the same host reads the peer's process state (gone, stopped by SIGSTOP, a zombie) from ``/proc``,
+and a rank whose own forward, backward or step raised (a full disk in an NVMe swap, ...) leaves that error in the
+store too, so the ranks it strands name its cause, not only its absence.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 _KEY = "ds_peer/{}"
+_ERROR_KEY = "ds_peer_error/{}"
 _TRANSPORT_MARKS = ("/gloo/", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-                    "NCCL error", "ProcessGroupNCCL", "Broken pipe")
+                    "pair closure", "NCCL error", "ProcessGroupNCCL", "Broken pipe")
 _STATES = {"T": "is stopped (SIGSTOP/SIGTSTP): a stalled rank, the others time out waiting for it",
            "t": "is stopped by a debugger (tracing stop)", "Z": "has died (not yet reaped by its parent)",
            "X": "has exited"}
@@ -49,6 +52,15 @@ def announce() -> None:
             store.set(_KEY.format(dist.get_rank()), f"{socket.gethostname()} {os.getpid()}")
 
 
+def _post_error(step: int, phase: str, exc: BaseException) -> None:
+    """Leave this rank's own failure in the store, so that the peers it strands can say what happened."""
+    store = _store() if dist.is_available() and dist.is_initialized() else None
+    if store is not None:
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+        with contextlib.suppress(Exception):
+            store.set(_ERROR_KEY.format(dist.get_rank()), f"{phase} at global_steps={step}: {text}")
+
+
 def is_transport_error(exc: BaseException) -> bool:
     """Did ``exc`` come from the collective transport (a peer's death, a timeout) rather than from the model?"""
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -75,9 +87,13 @@ def _peer_line(store, rank: int, me: str) -> str:
         host, pid = store.get(key).decode().split()
     except Exception:
         return f"rank {rank}: unknown (the group's store, served by rank 0's process, is unreachable)"
+    raised = ""
+    with contextlib.suppress(Exception):
+        if store.check([_ERROR_KEY.format(rank)]):
+            raised = f", and it raised in {store.get(_ERROR_KEY.format(rank)).decode()}"
     if host != me:
-        return f"rank {rank} (pid {pid} on {host}): on another host, its state is not visible from here"
-    return f"rank {rank} (pid {pid}) {_process_state(int(pid))}"
+        return f"rank {rank} (pid {pid} on {host}): on another host, state not visible from here{raised}"
+    return f"rank {rank} (pid {pid}) {_process_state(int(pid))}{raised}"
 
 
 def peer_report() -> str:
@@ -97,8 +113,9 @@ def named_peer_failures(step: int, phase: str) -> Iterator[None]:
         yield
     except PeerFailureError:
         raise
-    except RuntimeError as exc:
+    except Exception as exc:
         if not is_transport_error(exc) or not dist.is_initialized():
+            _post_error(step, phase, exc)
             raise
         raise PeerFailureError(
             f"rank {dist.get_rank()}, {phase} at global_steps={step}: a collective with the other ranks failed; a "
