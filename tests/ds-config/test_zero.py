@@ -231,9 +231,6 @@ def test_assignment_is_validated():
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}, "offload_optimizer.device",
      "stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device", "stage 1, 2 or 3"),
-    ({"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio", "stage 3"),
-    ({"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}, "offload_optimizer.super_offload",
-     "stage 3"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "offload_optimizer.ratio", "less than"),
     ({"stage": 3, "offload_optimizer": {"cpuadam_cores_perc": -0.1}}, "offload_optimizer.cpuadam_cores_perc",
      "greater than"),
@@ -257,8 +254,21 @@ def test_errors_name_the_full_key_path(data, path, words):
 
 
 def test_several_problems_reported_together():
-    err = error({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.5}})
-    assert set(err.paths) == {f"{P}.offload_optimizer.device", f"{P}.offload_optimizer.ratio"}
+    err = error({"stage": 2, "offload_param": {"device": "cpu"},
+                 "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}})
+    assert set(err.paths) == {f"{P}.offload_param.device", f"{P}.offload_optimizer.device"}
+
+
+@pytest.mark.parametrize(("stage", "extra", "key"), [(1, {"ratio": 0.3}, "ratio"),
+                                                     (2, {"super_offload": True}, "super_offload")])
+def test_stage3_offload_options_below_stage3_are_ignored_as_in_deepspeed(stage, extra, key):
+    """DeepSpeed's ZeRO-1/2 offload the whole optimizer and never read ratio / super_offload: accepted, with a
+    warning naming the key (it has no effect)."""
+    from ds_config import InertConfigKeyWarning
+
+    with pytest.warns(InertConfigKeyWarning, match=rf"offload_optimizer\.{key}' has no effect with ZeRO stage"):
+        cfg = zero({"stage": stage, "offload_optimizer": {"device": "cpu", **extra}})
+    assert cfg.offload_optimizer.device == OffloadDeviceEnum.cpu
 
 
 def test_non_strict_mode_warns_and_drops_unknown_keys():

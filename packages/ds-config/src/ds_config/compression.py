@@ -9,6 +9,7 @@ of 1000, activation ``range_calibration`` "dynamic") the documented value wins.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -227,14 +228,18 @@ class HeadPruningShared(DSConfigModel):
 
 
 class _Technique(DSConfigModel):
-    """Common check: an enabled technique needs at least one group (snip_momentum picks its own modules)."""
+    """Common check, DeepSpeed's: an enabled technique names its ``different_groups`` (snip_momentum picks its own
+    modules). An empty ``{}`` is accepted as DeepSpeed accepts it, with a warning: it compresses nothing."""
 
     def _check_groups(self) -> None:
         shared = self.shared_parameters
         if not shared.enabled or self.different_groups or getattr(shared, "method", "") == "snip_momentum":
             return
-        raise _error_at(("different_groups",), "the technique is enabled but different_groups is empty: "
-                        "give at least one group with params and modules", self.different_groups)
+        if "different_groups" not in self.model_fields_set:
+            raise _error_at(("different_groups",), "the technique is enabled, so different_groups must be "
+                            "given (group name -> params and modules)", _MISSING)
+        warnings.warn(f"compression_training: {type(self).__name__} is enabled with an empty different_groups, so "
+                      "it compresses no module (DeepSpeed accepts this too)", UserWarning, stacklevel=2)
 
     @model_validator(mode="after")
     def _groups_when_enabled(self) -> _Technique:

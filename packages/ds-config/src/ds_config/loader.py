@@ -31,13 +31,32 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _parse_hjson(text: str) -> Any:
+    """``text`` as Hjson (JSON plus comments, unquoted keys and strings, optional commas), as DeepSpeed reads
+    config files; ``_NOT_HJSON`` when it is not (or the ``hjson`` package is missing)."""
+    try:
+        import hjson
+    except ImportError:  # a declared dependency; without it only strict JSON is read
+        return _NOT_HJSON
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except (hjson.HjsonDecodeError, RecursionError):  # a duplicate key's ConfigError goes through
+        return _NOT_HJSON
+
+
+_NOT_HJSON = object()
+
+
 def parse_json(text: str, origin: str = "JSON") -> dict[str, Any]:
-    """Parse a JSON object (``Infinity`` allowed, duplicate keys rejected)."""
+    """Parse a JSON object (``Infinity`` allowed, duplicate keys rejected); text that is not JSON is read as
+    Hjson, as DeepSpeed does (it reads config files with ``hjson``)."""
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
-        raise ConfigError(ConfigProblem("", f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                                            f"column {exc.colno}")) from None
+        data = _parse_hjson(text)
+        if data is _NOT_HJSON:
+            raise ConfigError(ConfigProblem("", f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                                f"column {exc.colno} (nor valid Hjson)")) from None
     if not isinstance(data, dict):
         raise ConfigError(ConfigProblem("", f"{origin} must be a JSON object at the top level, "
                                             f"not {type(data).__name__}"))

@@ -35,7 +35,7 @@ class ProgressiveLayerDropConfig(DSConfigModel):
 
     enabled: Bool = False
     """Enable progressive layer drop."""
-    theta: Float = Field(0.5, gt=0, le=1)
-    """Final keep probability (the schedule decays towards it)."""
-    gamma: Float = Field(0.001, gt=0)
-    """Decay rate of the keep probability per step."""
+    theta: Float = Field(0.5, ge=0, le=1)
+    """Final keep probability (the schedule decays towards it; 0 drops every layer in the end)."""
+    gamma: Float = Field(0.001, ge=0)
+    """Decay rate of the keep probability per step (0 keeps every layer)."""

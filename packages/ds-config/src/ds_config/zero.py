@@ -27,6 +27,7 @@ from ds_config._zero_offload import (
     OffloadDeviceEnum,
     OffloadStateTypeEnum,
 )
+from ds_config.unbuilt import InertConfigKeyWarning
 
 __all__ = [
     "DeepSpeedZeroConfig",
@@ -295,15 +296,15 @@ class DeepSpeedZeroConfig(SectionModel):
         if stage == ZeroStageEnum.disabled:
             raise ConfigError(ConfigProblem(
                 "device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0)", value.device.value))
-        problems = [ConfigProblem(key, f"{what} needs ZeRO stage 3 (stage is {int(stage)})", got)
-                    for key, what, got, bad in (
-                        ("device", "NVMe optimizer offload", value.device.value,
-                         value.device == OffloadDeviceEnum.nvme),
-                        ("ratio", "partial optimizer offload (ratio < 1)", value.ratio, value.ratio != 1.0),
-                        ("super_offload", "super_offload", value.super_offload, value.super_offload))
-                    if bad]
-        if problems:
-            raise ConfigError(problems)
+        if value.device == OffloadDeviceEnum.nvme:  # DeepSpeed's stage 1/2 would silently offload nothing
+            raise ConfigError(ConfigProblem("device", f"NVMe optimizer offload needs ZeRO stage 3 (stage is "
+                                            f"{int(stage)}); accepted here: 'cpu' or 'none'", value.device.value))
+        for key, what, ignored in (("ratio", "partial offload (ratio < 1)", value.ratio != 1.0),
+                                   ("super_offload", "super_offload", value.super_offload)):
+            if ignored:  # as DeepSpeed: stage 1/2 offload the whole optimizer and ignore these
+                warnings.warn(f"config key 'zero_optimization.offload_optimizer.{key}' has no effect with ZeRO "
+                              f"stage {int(stage)}: {what} is a stage-3 feature; the whole optimizer is offloaded "
+                              "(DeepSpeed ignores it too)", InertConfigKeyWarning, stacklevel=2)
         return value
 
     @field_validator("zeropp_loco_param")
