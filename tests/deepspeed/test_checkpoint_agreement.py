@@ -240,3 +240,14 @@ def test_write_failure_on_one_rank_fails_every_rank_and_keeps_the_old_checkpoint
         assert got["seconds"] < 10
         assert got["temporaries"] == [] and got["latest"] == "good"
         assert got["loaded"] and got["old_content"]  # the overwritten tag still holds the old, complete save
+
+
+@pytest.mark.parametrize(("content", "reason"), [(b"\xff\xfe\x83", "not UTF-8 text"), (b"\n", "empty file"),
+                                                 (b"../elsewhere", "not a tag file")])
+def test_damaged_latest_is_named_not_decoded_or_followed(tmp_path, content, reason):
+    from deepspeed.runtime.checkpointing import CorruptCheckpointError, read_latest
+
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(CorruptCheckpointError, match=reason) as err:
+        read_latest(tmp_path)
+    assert err.value.checkpoint_path == str(tmp_path / "latest")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deepspeed.runtime.checkpointing._errors import CheckpointError
-from deepspeed.runtime.checkpointing._layout import model_states_name, validate_tag
+from deepspeed.runtime.checkpointing._layout import model_states_name, read_latest, validate_tag
 from deepspeed.runtime.checkpointing._tp_resize import fallback_model_states_path
 
 LATEST_UNIVERSAL = "latest_universal"
@@ -26,12 +26,12 @@ ZERO_FOLDER = "zero"
 def resolve_universal_tag(load_dir: str, tag: object) -> str:
     if tag is not None:
         return validate_tag(tag)
-    latest = os.path.join(load_dir, LATEST_UNIVERSAL)
-    if not os.path.isfile(latest):
+    tag = read_latest(load_dir, LATEST_UNIVERSAL)  # a damaged file raises, naming it
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST_UNIVERSAL)
         raise CheckpointError(f"Invalid for universal checkpoint: {latest} does not exist (checkpoint.load_universal "
                               "is true: convert a checkpoint with ds_to_universal, which writes it, or pass the tag)")
-    with open(latest, encoding="utf-8") as handle:
-        return validate_tag(handle.read().strip())
+    return tag
 
 
 def check_universal_folder(tag_dir: str) -> None:

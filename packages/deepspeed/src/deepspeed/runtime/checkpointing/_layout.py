@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from deepspeed.runtime.checkpointing._errors import CheckpointTagError
+from deepspeed.runtime.checkpointing._errors import CheckpointTagError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from deepspeed.runtime.checkpointing._state import ParallelInfo
@@ -82,11 +82,29 @@ def latest_writer(config: CheckpointConfig, parallel: ParallelInfo) -> bool:
     return (parallel.local_rank if config.use_node_local_storage else parallel.global_rank) == 0
 
 
-def read_latest(load_dir: str | os.PathLike) -> str | None:
-    """The tag in ``<load_dir>/latest`` (stripped), or None when the file does not exist."""
-    path = os.path.join(load_dir, LATEST_FILE)
+def read_latest(load_dir: str | os.PathLike, name: str = LATEST_FILE) -> str | None:
+    """The tag in ``<load_dir>/latest`` (stripped), or None when the file does not exist.
+
+    A file that holds no usable tag (empty, not UTF-8 text, a path) raises :class:`CorruptCheckpointError`
+    naming it, rather than a ``UnicodeDecodeError`` or a tag that silently loads nothing.
+    """
+    path = os.path.join(load_dir, name)
     try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip()
+        with open(path, "rb") as handle:
+            raw = handle.read()
     except FileNotFoundError:
         return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise _bad_tag_file(path, f"not a tag file ({len(raw)} bytes, not UTF-8 text)") from None
+    if not text:
+        raise _bad_tag_file(path, f"empty file ({len(raw)} bytes; a tag name was expected)")
+    try:
+        return validate_tag(text)
+    except CheckpointTagError:
+        raise _bad_tag_file(path, f"not a tag file (holds {text[:60]!r}, not a directory name)") from None
+
+
+def _bad_tag_file(path: str, reason: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {reason}", path=path, reason=reason)

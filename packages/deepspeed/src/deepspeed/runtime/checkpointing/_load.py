@@ -15,7 +15,7 @@ from typing import Any
 from deepspeed.checkpoint import universal as uc
 from deepspeed.runtime.checkpointing._agreement import agree
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
-from deepspeed.runtime.checkpointing._errors import CheckpointError
+from deepspeed.runtime.checkpointing._errors import CheckpointError, CorruptCheckpointError
 from deepspeed.runtime.checkpointing._layout import LATEST_FILE, model_states_name, read_latest, validate_tag
 from deepspeed.runtime.checkpointing._restore import LoadOptions, prepare_restore
 from deepspeed.runtime.checkpointing._state import EngineState, per_rank_model_states
@@ -25,12 +25,21 @@ from deepspeed.runtime.checkpointing._tp_resize import fallback_model_states_pat
 from deepspeed.utils.logging import logger
 
 _OP = "load_checkpoint"
+_NO_TAG = "<no usable tag>"  # posted by a rank whose tag argument or 'latest' file is unusable
+
+
+def _stale_latest(load_dir: str, tag: str, universal: bool) -> CorruptCheckpointError:
+    """``latest`` names a tag folder that does not exist: damaged (a truncated name) or left behind."""
+    path = os.path.join(load_dir, uc.LATEST_UNIVERSAL if universal else LATEST_FILE)
+    reason = (f"names tag {tag!r}, but {os.path.join(load_dir, tag)} does not exist (a damaged 'latest', or its "
+              "checkpoint was removed); pass the tag to load explicitly")
+    return CorruptCheckpointError(f"{path}: {reason}", path=path, reason=reason)
 
 
 def _resolve_tag(load_dir: str, tag: object) -> str | None:
     if tag is not None:
         return validate_tag(tag)
-    latest = read_latest(load_dir)
+    latest = read_latest(load_dir)  # a damaged file raises, naming it
     if latest is None:
         logger.warning(
             f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load latest "
@@ -67,7 +76,11 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
     state = as_engine_state(state)
     universal = state.checkpoint_config.load_universal  # a ds_to_universal folder, onto any layout
     load_dir = os.fspath(load_dir)
-    tag = uc.resolve_universal_tag(load_dir, tag) if universal else _resolve_tag(load_dir, tag)
+    from_latest, error = tag is None, None
+    try:
+        tag = uc.resolve_universal_tag(load_dir, tag) if universal else _resolve_tag(load_dir, tag)
+    except Exception as exc:  # a damaged 'latest', a bad tag: reported by every rank in the agreement below
+        tag, error = _NO_TAG, exc
     if tag is None:
         return None, None
     meeting = open_meeting(_OP, state.sync)
@@ -76,8 +89,12 @@ def load_checkpoint(state: EngineState | Any, load_dir: str | os.PathLike, tag: 
         tags = check_same_call(_OP, arrivals, meeting.rank)
         validate_tags(tags, state.checkpoint_config.tag_validation, meeting.rank)
     tag_dir = os.path.join(load_dir, tag)
-    path, error = "", None
+    path = ""
     try:
+        if error is not None:
+            raise error
+        if from_latest and not os.path.isdir(tag_dir):
+            raise _stale_latest(load_dir, tag, universal)
         if universal:
             uc.check_universal_folder(tag_dir)
         path = (uc.universal_model_states_path(state, tag_dir, per_rank_model_states(state)) if universal
