@@ -220,8 +220,19 @@ def _save_failing(save_dir: str, stage: int, code: int, failing_rank: int) -> di
     with open(os.path.join(save_dir, "latest")) as handle:
         latest = handle.read()
     path, _ = engine.load_checkpoint(save_dir)
-    return {"error": error, "seconds": seconds, "temporaries": temporaries, "latest": latest,
-            "loaded": path is not None, "old_content": _same(saved, _snapshot(engine))}
+    result = {"error": error, "seconds": seconds, "temporaries": temporaries, "latest": latest,
+              "loaded": path is not None, "old_content": _same(saved, _snapshot(engine))}
+    if dist.get_rank() == failing_rank:  # a new tag: its folder does not stay behind, empty
+        _atomic._open_for_write = _FailingWrites(real, code)
+    try:
+        engine.save_checkpoint(save_dir, tag="new")
+    except CheckpointRankError:
+        pass
+    finally:
+        _atomic._open_for_write = real
+    dist.barrier()
+    result["new_folder"] = os.path.exists(os.path.join(save_dir, "new"))
+    return result
 
 
 SAVE_CASES = [(3, errno.ENOSPC, 1), (3, errno.EIO, 1), (2, errno.EACCES, 1), (1, errno.EIO, 1), (0, errno.ENOSPC, 0)]
@@ -240,6 +251,7 @@ def test_write_failure_on_one_rank_fails_every_rank_and_keeps_the_old_checkpoint
         assert got["seconds"] < 10
         assert got["temporaries"] == [] and got["latest"] == "good"
         assert got["loaded"] and got["old_content"]  # the overwritten tag still holds the old, complete save
+        assert not got["new_folder"]
 
 
 @pytest.mark.parametrize(("content", "reason"), [(b"\xff\xfe\x83", "not UTF-8 text"), (b"\n", "empty file"),

@@ -10,6 +10,7 @@ complete checkpoint already has leaves it loadable) and ``latest`` keeps naming 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Mapping
@@ -174,6 +175,8 @@ def save_checkpoint(state: EngineState | Any, save_dir: str | os.PathLike, tag: 
         tag = validate_tag(default_tag(state.counters.global_steps) if tag is None else tag)
     except ValueError as exc:  # CheckpointTagError is a ValueError too
         problem = exc
+    # checked before the first meeting, so before any rank can create it
+    new_folder = problem is None and not os.path.isdir(os.path.join(save_dir, tag))
     meeting = open_meeting(_OP, state.sync)
     if meeting is not None:
         tags = arrive(meeting, _OP, None if problem else tag, problem)
@@ -196,6 +199,9 @@ def save_checkpoint(state: EngineState | Any, save_dir: str | os.PathLike, tag: 
         agree(meeting, _OP, "writing", error, f"Nothing was committed on any rank; {unchanged}.", rank)
     except BaseException:
         _discard(staged)
+        if new_folder:  # leave no empty tag folder behind (the last rank to empty it removes it)
+            with contextlib.suppress(OSError):
+                os.rmdir(ctx.tag_dir)
         raise
     # 2. rename into place (cannot run out of space; fails only if the folder itself broke)
     error = None
