@@ -219,7 +219,7 @@ def test_io_mode_choice(make_handle, tmp_path):
     misaligned.copy_(fx.random_tensor(misaligned.numel(), torch.uint8))
     h.sync_pwrite(misaligned, tmp_path / "m.bin")
     assert h.get_last_io_mode() == "direct-staged"
-    h.sync_pwrite(locked, tmp_path / "d.bin", offset=100, whole_file=False)  # unaligned file offset
+    h.sync_pwrite(locked, tmp_path / "d.bin", file_offset=100, whole_file=False)  # unaligned file offset
     assert h.get_last_io_mode() == "buffered"
     assert h.io_mode_bytes() == {"direct": locked.numel(), "direct-staged": misaligned.numel(),
                                  "buffered": locked.numel()}

@@ -1,5 +1,9 @@
 """``deepspeed.runtime.zero.partition_parameters``: DeepSpeed's module path for ``zero.Init`` and friends."""
 
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
 from ds_zero.zero3._param import ZeroParamStatus
 from ds_zero.zero3.init import (
     GatheredParameters,
@@ -11,8 +15,33 @@ from ds_zero.zero3.init import (
 )
 from ds_zero.zero3.leaf import z3_leaf_module, z3_leaf_parameter
 
+partitioned_param_data_shape = [0]
+"""The shape of a partitioned parameter's ``.data`` while it is not gathered (an empty placeholder)."""
+
+
+class ZeroParamType(Enum):
+    """DeepSpeed's parameter kinds: a plain parameter, a ZeRO-3 partitioned one, one held remotely (NVMe)."""
+
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+class MultipleAllGatherHandles:
+    """Several in-flight all-gathers (one per process group of a fetch) waited as one handle."""
+
+    def __init__(self, handles: Iterable[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
 __all__ = [
     "GatheredParameters",
+    "MultipleAllGatherHandles",
+    "ZeroParamType",
+    "partitioned_param_data_shape",
     "Init",
     "ZeroParamStatus",
     "_orig_torch_arange",

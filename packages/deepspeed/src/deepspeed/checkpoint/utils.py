@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from deepspeed.checkpoint.constants import MODEL_FILE_PREFIX, MODEL_FILE_SUFFIX, OPTIM_FILE_SUFFIX, ZERO_FILE_PREFIX
+
+
+def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
+    """``<base_folder>/mp_rank_<mp_rank_str>_model_states.pt`` (``mp_rank_str``: already zero-padded, "00")."""
+    return os.path.join(base_folder, f"{MODEL_FILE_PREFIX}{mp_rank_str}{MODEL_FILE_SUFFIX}")
+
+
+def get_zero_ckpt_name_for_rank(base_folder: str | os.PathLike, dp_rank: int, mp_rank: int) -> str:
+    """``<base_folder>/zero_pp_rank_<dp>_mp_rank_<mp:02d>_optim_states.pt``: one data-parallel rank's shard."""
+    return os.path.join(base_folder, f"{ZERO_FILE_PREFIX}{dp_rank}_{MODEL_FILE_PREFIX}{mp_rank:02d}{OPTIM_FILE_SUFFIX}")
+
+
+def get_layer_ckpt_name_for_rank(base_folder: str | os.PathLike, layer_id: str, tp_rank: int) -> str:
+    """``<base_folder>/<layer_id>-model_<tp:02d>_model_states.pt`` (``layer_id``: "layer_01")."""
+    return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}{MODEL_FILE_SUFFIX}")
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:

@@ -172,43 +172,44 @@ class AsyncIOHandle:
             return dict(self._bytes)
 
     # -- I/O --------------------------------------------------------------------------------------------
-    def sync_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Fill ``tensor`` with ``tensor.nbytes`` bytes of ``path`` from byte ``offset``; returns 1 (ops done)."""
-        return self._run(self._submit("sync_pread", tensor, path, offset, write=False))
+    # DeepSpeed's parameter names (buffer, filename, file_offset), so keyword calls written for its handle work
+    def sync_pread(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
+        """Fill ``buffer`` with ``buffer.nbytes`` bytes of ``filename`` from byte ``file_offset``; returns 1."""
+        return self._run(self._submit("sync_pread", buffer, filename, file_offset, write=False))
 
     def sync_pwrite(
         self,
-        tensor: torch.Tensor,
-        path: str | os.PathLike,
-        offset: int = 0,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike,
+        file_offset: int = 0,
         *,
         whole_file: bool | None = None,
         fsync: bool = False,
     ) -> int:
-        """Write ``tensor``'s bytes to ``path`` at ``offset``; returns 1 (ops done).
+        """Write ``buffer``'s bytes to ``filename`` at ``file_offset``; returns 1 (ops done).
 
-        ``whole_file`` (default: ``offset == 0``) writes a temporary file renamed over ``path`` once complete,
-        so ``path`` afterwards holds exactly the tensor and is never seen half-written; otherwise the bytes
+        ``whole_file`` (default: ``file_offset == 0``) writes a temporary file renamed over ``filename`` once
+        complete, so it afterwards holds exactly the tensor and is never seen half-written; otherwise the bytes
         are written in place (the file is created if missing). ``fsync`` flushes before the rename.
         """
-        return self._run(self._submit("sync_pwrite", tensor, path, offset, True, whole_file, fsync))
+        return self._run(self._submit("sync_pwrite", buffer, filename, file_offset, True, whole_file, fsync))
 
-    def async_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Start reading into ``tensor``; returns 0 at once. ``wait()`` completes it. Errors known up front raise."""
-        self._queue(self._submit("async_pread", tensor, path, offset, write=False))
+    def async_pread(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
+        """Start reading into ``buffer``; returns 0 at once. ``wait()`` completes it. Errors known up front raise."""
+        self._queue(self._submit("async_pread", buffer, filename, file_offset, write=False))
         return 0
 
     def async_pwrite(
         self,
-        tensor: torch.Tensor,
-        path: str | os.PathLike,
-        offset: int = 0,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike,
+        file_offset: int = 0,
         *,
         whole_file: bool | None = None,
         fsync: bool = False,
     ) -> int:
-        """Start writing ``tensor`` (see ``sync_pwrite``); returns 0 at once. Do not modify it before ``wait()``."""
-        self._queue(self._submit("async_pwrite", tensor, path, offset, True, whole_file, fsync))
+        """Start writing ``buffer`` (see ``sync_pwrite``); returns 0 at once. Do not modify it before ``wait()``."""
+        self._queue(self._submit("async_pwrite", buffer, filename, file_offset, True, whole_file, fsync))
         return 0
 
     def wait(self) -> int:

@@ -1,0 +1,27 @@
+"""``deepspeed.runtime.zero.linear``: DeepSpeed's memory-efficient linear for ZeRO-3 (ds-zero's
+``memory_efficient_linear``): the autograd function keeps the weight *parameter* for backward, not a gathered
+copy, so a released weight really frees its memory between forward and backward."""
+
+from __future__ import annotations
+
+import torch
+
+from ds_zero.zero3._linear import _Zero3Linear
+
+LinearFunctionForZeroStage3 = _Zero3Linear
+
+
+def zero3_linear_wrap(input: torch.Tensor, weight: torch.nn.Parameter,  # noqa: A002 - DeepSpeed's name
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` through ``LinearFunctionForZeroStage3``."""
+    return LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+
+class LinearModuleForZeroStage3(torch.nn.Linear):
+    """``nn.Linear`` whose forward goes through ``zero3_linear_wrap``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return zero3_linear_wrap(input, self.weight, self.bias)
+
+
+__all__ = ["LinearFunctionForZeroStage3", "LinearModuleForZeroStage3", "zero3_linear_wrap"]

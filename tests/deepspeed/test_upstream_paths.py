@@ -1,0 +1,94 @@
+"""DeepSpeed module paths its own unit tests and clients import (issue 26): checkpoint names and engine, ZeRO's
+package names (linear, handles, unwrap_model_for_generation), behaving as DeepSpeed's."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from _harness import run_distributed
+
+
+def test_checkpoint_file_names_are_deepspeeds(tmp_path) -> None:
+    from deepspeed.checkpoint import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        get_layer_ckpt_name_for_rank,
+        get_model_ckpt_name_for_rank,
+        get_zero_ckpt_name_for_rank,
+    )
+    from deepspeed.checkpoint.ds_to_universal import UNIVERSAL_CHECKPOINT_INFO as WRITER_KEY
+
+    assert get_model_ckpt_name_for_rank("d", "00") == os.path.join("d", "mp_rank_00_model_states.pt")
+    assert get_zero_ckpt_name_for_rank("d", 3, 1) == os.path.join("d", "zero_pp_rank_3_mp_rank_01_optim_states.pt")
+    assert get_layer_ckpt_name_for_rank("d", "layer_01", 2) == os.path.join("d", "layer_01-model_02_model_states.pt")
+    assert UNIVERSAL_CHECKPOINT_INFO == WRITER_KEY  # one key for the writer and for clients
+
+
+def test_torch_checkpoint_engine_round_trip(tmp_path) -> None:
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo, TorchCheckpointEngine
+
+    engine = TorchCheckpointEngine()
+    info = CheckpointCommitInfo("step1", str(tmp_path), True)
+    engine.create(info)
+    engine.makedirs(tmp_path / "step1", exist_ok=True)
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 7}
+    engine.save(state, str(tmp_path / "step1" / "a.pt"))
+    assert engine.commit(info) is True and not engine.is_decoupled()
+    loaded = engine.load(str(tmp_path / "step1" / "a.pt"))
+    assert loaded["step"] == 7 and torch.equal(loaded["w"], state["w"])
+    assert not [n for n in os.listdir(tmp_path / "step1") if n != "a.pt"]  # no temporary left behind
+
+
+def test_multiple_all_gather_handles_forward_the_keyword() -> None:
+    from deepspeed.runtime.zero.partition_parameters import MultipleAllGatherHandles
+
+    seen = []
+
+    class Handle:
+        def wait(self, handle_dependency):
+            seen.append(handle_dependency)
+
+    MultipleAllGatherHandles([Handle(), Handle()]).wait(handle_dependency=False)
+    assert seen == [False, False]
+
+
+def test_zero3_linear_matches_f_linear() -> None:
+    from deepspeed.runtime.zero.linear import LinearModuleForZeroStage3
+
+    torch.manual_seed(0)
+    ours = LinearModuleForZeroStage3(5, 3)
+    ref = torch.nn.Linear(5, 3)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 4, 5)
+    for m in (ours, ref):
+        m(x).square().sum().backward()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def _unwrap_body() -> tuple[bool, bool, bool, float]:
+    import deepspeed
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
+              "stage3_param_persistence_threshold": 0}, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    x = torch.randn(2, 8)
+    with unwrap_model_for_generation(engine) as unwrapped:
+        gathered = all(p.numel() > 0 for p in unwrapped.parameters())
+        no_hooks = not engine.zero3_scheduler._handles
+        out = unwrapped(x)  # twice: the weights stay gathered without the hooks
+        still = all(p.numel() > 0 for p in unwrapped.parameters()) and torch.equal(out, unwrapped(x))
+    released = all(p.numel() == 0 for p in engine.module.parameters())
+    loss = engine(x).square().mean()  # training resumes with the hooks back
+    engine.backward(loss)
+    engine.step()
+    return gathered and still, no_hooks, released, float(loss)
+
+
+def test_unwrap_model_for_generation_gathers_once_and_restores_the_hooks() -> None:
+    for gathered, no_hooks, released, loss in run_distributed(_unwrap_body, world_size=2, timeout=120):
+        assert gathered and no_hooks and released
+        assert loss > 0
