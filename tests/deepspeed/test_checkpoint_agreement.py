@@ -263,3 +263,41 @@ def test_damaged_latest_is_named_not_decoded_or_followed(tmp_path, content, reas
     with pytest.raises(CorruptCheckpointError, match=reason) as err:
         read_latest(tmp_path)
     assert err.value.checkpoint_path == str(tmp_path / "latest")
+
+
+def _pipeline_damaged_layer(save_dir: str) -> dict:
+    import deepspeed
+    from _pipe_models import gpt_batches, gpt_specs, lm_loss
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.checkpointing import CheckpointRankError
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    module = PipelineModule(gpt_specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+    engine, *_ = deepspeed.initialize(model=module, config=config)
+    engine.train_batch(iter(gpt_batches(2)))
+    engine.save_checkpoint(save_dir, tag="two")
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    mine = [os.path.basename(engine.module.ckpt_layer_path("", i)) for i, f in enumerate(engine.module.forward_funcs)
+            if isinstance(f, torch.nn.Module)]
+    names: list = [None, None]
+    dist.all_gather_object(names, mine)
+    if dist.get_rank() == 0:  # a layer file only stage 1 (rank 1) reads
+        _damage(os.path.join(save_dir, "two", names[1][0]), "garbage")
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        engine.load_checkpoint(save_dir)
+        error = None
+    except CheckpointRankError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - start, "file": names[1][0],
+            "unchanged": _same(before, [p.detach() for p in engine.module.parameters()])}
+
+
+def test_pipeline_stage_with_a_damaged_layer_file_fails_both_stages(tmp_path):
+    results = run_distributed(_pipeline_damaged_layer, world_size=2, args=(str(tmp_path),), timeout=120)
+    for got in results:
+        assert got["error"] is not None and "failed on ranks [1] while reading" in got["error"]
+        assert f"rank 1: {os.path.join(str(tmp_path), 'two', got['file'])}: not a checkpoint file" in got["error"]
+        assert got["seconds"] < 10 and got["unchanged"]

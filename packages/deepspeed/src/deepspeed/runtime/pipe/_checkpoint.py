@@ -163,7 +163,11 @@ def load(engine: Any, base_load: Callable[..., Any], load_dir: str, tag: Any, **
     with ``checkpoint.load_universal`` the Universal Checkpoint load (any partition, any data-parallel size)."""
     if checkpointing.as_engine_state(engine).checkpoint_config.load_universal:
         return _load_universal(engine, load_dir, tag, **kwargs)
-    tag = tag if tag is not None else checkpointing.read_latest(load_dir)
+    if tag is None:
+        try:
+            tag = checkpointing.read_latest(load_dir)
+        except CheckpointError:  # damaged: the base load reports it on every rank, through its agreement
+            tag = None
     if tag is None:
         return base_load(load_dir, None, **kwargs)
     first = os.path.join(load_dir, str(tag), model_states_name(0))
@@ -254,7 +258,10 @@ def _load_universal(engine: Any, load_dir: str, tag: Any, load_module_strict: bo
 
     if engine.optimizer is not None:
         engine._require_states_in_place("load_checkpoint")
-    tag = uc.resolve_universal_tag(os.fspath(load_dir), tag)
+    try:
+        tag = uc.resolve_universal_tag(os.fspath(load_dir), tag)
+    except CheckpointError:  # no or a damaged latest_universal: the load raises it on every rank, agreed
+        return checkpointing.load_checkpoint(engine, load_dir, tag=None)
     first = os.path.join(os.fspath(load_dir), tag, model_states_name(0))
     saved = _read_first(first) if os.path.isfile(first) else None
     if saved is not None:
