@@ -1,4 +1,4 @@
-"""GUIDE section 2: the dependency direction between the distributions holds, declared and at import time.
+"""The dependency direction between the distributions (README: Packages) holds, declared and at import time.
 
 Every module of every distribution is imported (one fresh interpreter per distribution) and the top-level
 packages that appear in ``sys.modules`` are checked against the rules below and against what the
@@ -76,7 +76,7 @@ def _is_stdlib(top: str, file: str | None) -> bool:
 
 
 def test_every_distribution_has_a_rule():
-    assert set(NAMES) == set(RULES), "a distribution was added or removed: update RULES from GUIDE section 2"
+    assert set(NAMES) == set(RULES), "a distribution was added or removed: update RULES and README: Packages"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -84,7 +84,7 @@ def test_declared_dependencies_follow_the_rules(name):
     dist, rule = by_name()[name], RULES[name]
     all_reqs = dist.dependencies + [r for reqs in dist.extras.values() for r in reqs]
     declared = set(sibling_requirements(all_reqs)) - {name}  # an extra may refer to its own distribution
-    assert declared <= rule.siblings, f"{name} declares {sorted(declared - rule.siblings)}, not allowed by GUIDE"
+    assert declared <= rule.siblings, f"{name} declares {sorted(declared - rule.siblings)}, not allowed (README)"
     base = {canonicalize_name(r.name) for r in dist.dependencies}
     if not rule.torch:
         assert "torch" not in base, f"{name} must not depend on torch"
@@ -117,7 +117,7 @@ def test_imports_only_allowed_siblings(name):
         sibling = ours.get(top)
         if sibling is None or top == own:
             continue
-        assert sibling in rule.siblings, f"{module} imports {top}: {name} may not depend on {sibling} (GUIDE 2)"
+        assert sibling in rule.siblings, f"{module} imports {top}: {name} may not depend on {sibling} (README)"
         assert sibling in declared, f"{module} imports {top} but {name} does not declare {sibling}"
 
 

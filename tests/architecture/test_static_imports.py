@@ -1,4 +1,4 @@
-"""GUIDE section 2 for imports the import probe cannot see: those inside functions, and string imports.
+"""The dependency direction (README: Packages) for imports the import probe cannot see: inside functions, strings.
 
 ``test_dependency_graph`` imports every module and looks at ``sys.modules``; an ``import torch`` or
 ``import ds_zero`` inside a function body runs only when that function is called, so it slips past. This test
@@ -60,9 +60,9 @@ def _violations(name: str) -> list[str]:
             sibling = ours.get(top)
             where = file.relative_to(dist.src_dir.parent)
             if top == "torch" and not rule.torch:
-                out.append(f"{where} imports torch: {name} must not use torch (GUIDE 2)")
+                out.append(f"{where} imports torch: {name} must not use torch (README: Packages)")
             elif sibling is not None and sibling != name and sibling not in rule.siblings:
-                out.append(f"{where} imports {top}: {name} may not depend on {sibling} (GUIDE 2)")
+                out.append(f"{where} imports {top}: {name} may not depend on {sibling} (README: Packages)")
     return out
 
 

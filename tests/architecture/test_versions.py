@@ -1,4 +1,4 @@
-"""Versions and skeleton of the workspace's distributions (GUIDE section 1, issue 2 section 1).
+"""Versions and skeleton of the workspace's distributions: each has its own version, the same skeleton and a README.
 
 The workspace's versions must satisfy every range one distribution declares on another, those ranges
 must be compatible ranges (bounded above), and every distribution has the same skeleton.
