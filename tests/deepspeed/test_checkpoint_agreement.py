@@ -266,8 +266,9 @@ def test_damaged_latest_is_named_not_decoded_or_followed(tmp_path, content, reas
 
 
 def _pipeline_damaged_layer(save_dir: str) -> dict:
-    import deepspeed
     from _pipe_models import gpt_batches, gpt_specs, lm_loss
+
+    import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.checkpointing import CheckpointRankError
 
