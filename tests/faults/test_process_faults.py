@@ -10,6 +10,8 @@ still the one ``latest`` names) loads on 2 ranks with every parameter bitwise eq
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import socket
@@ -57,9 +59,6 @@ def _fault_time(work: Path) -> float:
 
 def _launch(work: Path, kind: str, phase: str, victim: int) -> tuple[int, str, float]:
     """Run the job under the launcher; returns (exit code, its output, seconds from the fault to the exit)."""
-    import base64
-    import json
-
     world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     cmd = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world}",
            f"--master_port={_free_port()}", JOB, str(work), kind, phase, str(victim)]
