@@ -150,3 +150,16 @@ def _buffer_dtypes() -> tuple[str, str]:
 
 def test_buffer_dtype_casts_the_buffers_after_the_precision_cast():
     assert run_distributed(_buffer_dtypes, world_size=1, timeout=90)[0] == ("torch.bfloat16", "torch.float32")
+
+
+def test_deepspeed_config_object_carries_the_new_keys_under_deepspeeds_attribute_names():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = DeepSpeedConfig({"train_batch_size": 4, "dataloader_drop_last": True, "gradient_allreduce_op": "SUM",
+                           "use_data_before_expert_parallelism": True, "log_level": "info",
+                           "pipeline": {"use_reentrant": False}, "checkpoint": {"writer": {"type": "python"}}})
+    assert (cfg.dataloader_drop_last, cfg.gradient_allreduce_op, cfg.use_data_before_expert_parallel_,
+            cfg.log_level, cfg.managed_gradient_accumulation) == (True, "sum", True, "info", True)
+    assert cfg.pipeline["use_reentrant"] is False
+    assert cfg.checkpoint_config["writer"]["type"] == "PYTHON" and cfg.checkpoint_config["tag_validation"] == "WARN"
+    assert "use_reentrant" not in DeepSpeedConfig({"train_batch_size": 4}).pipeline  # DeepSpeed's six defaults

@@ -146,7 +146,9 @@ def _batch(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
     return {"train_batch_size": sizes.train_batch_size,
             "train_micro_batch_size_per_gpu": sizes.train_micro_batch_size_per_gpu,
             "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
-            "elasticity_enabled": typed.elasticity.enabled}
+            "elasticity_enabled": typed.elasticity.enabled,
+            "dataloader_drop_last": typed.dataloader_drop_last,
+            "managed_gradient_accumulation": typed.managed_gradient_accumulation}
 
 
 def _communication(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
@@ -156,6 +158,8 @@ def _communication(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
             "prescale_gradients": typed.prescale_gradients,
             "gradient_predivide_factor": typed.gradient_predivide_factor,
             "sparse_gradients_enabled": typed.sparse_gradients,
+            "gradient_allreduce_op": typed.gradient_allreduce_op,
+            "use_data_before_expert_parallel_": typed.use_data_before_expert_parallelism,
             "comms_config": SimpleNamespace(comms_logger_enabled=typed.comms_logger.enabled,
                                             comms_logger=typed.comms_logger)}
 
@@ -193,7 +197,9 @@ def _precision(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
             "torch_autocast_enabled": autocast.enabled,
             "torch_autocast_dtype": _torch_dtype(autocast.dtype) if _given(autocast, "dtype") else None,
             "torch_autocast_lower_precision_safe_modules": autocast.lower_precision_safe_modules,
-            "grad_accum_dtype": typed.data_types.grad_accum_dtype}
+            "grad_accum_dtype": typed.data_types.grad_accum_dtype,
+            "param_dtype": typed.data_types.param_dtype, "buffer_dtype": typed.data_types.buffer_dtype,
+            "graph_harvesting": typed.graph_harvesting}
 
 
 def _optimization(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
@@ -204,7 +210,9 @@ def _optimization(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
             "optimizer_legacy_fusion": opt.legacy_fusion if opt is not None else False,
             "scheduler_name": sched.type if sched is not None else None,
             "scheduler_params": _scheduler_params(sched) if _given(sched, "params") else None,
-            "pipeline": typed.pipeline.model_dump(),
+            # DeepSpeed's dict: its six defaults plus the keys the user gave (use_reentrant only when given)
+            "pipeline": typed.pipeline.model_dump(exclude=None if "use_reentrant" in typed.pipeline.model_fields_set
+                                                  else {"use_reentrant"}),
             "activation_checkpointing_config": typed.activation_checkpointing}
 
 
@@ -218,7 +226,8 @@ def _scheduler_params(sched: Any) -> dict[str, Any]:
 def _logging(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
     return {"steps_per_print": typed.steps_per_print, "dump_state": typed.dump_state,
             "wall_clock_breakdown": typed.wall_clock_breakdown or typed.flops_profiler.enabled,
-            "memory_breakdown": typed.memory_breakdown,
+            "memory_breakdown": typed.memory_breakdown, "log_level": typed.log_level,
+            "timers_config": typed.timers.throughput, "hybrid_engine": typed.hybrid_engine,
             "flops_profiler_config": typed.flops_profiler,
             "monitor_config": DeepSpeedMonitorConfig.model_construct(
                 tensorboard=typed.tensorboard, comet=typed.comet, wandb=typed.wandb, csv_monitor=typed.csv_monitor)}
@@ -231,4 +240,7 @@ def _checkpointing(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
             "checkpoint_tag_validation_fail": mode == ValidationMode.FAIL,
             "load_universal_checkpoint": ckpt.load_universal,
             "use_node_local_storage": ckpt.use_node_local_storage,
-            "checkpoint_parallel_write_pipeline": ckpt.parallel_write.pipeline_stage}
+            "checkpoint_parallel_write_pipeline": ckpt.parallel_write.pipeline_stage,
+            "checkpoint_config": {"tag_validation": mode, "checkpoint_serialization": ckpt.checkpoint_serialization,
+                                  "writer": None if ckpt.writer is None else ckpt.writer.model_dump()},
+            "nebula_config": typed.nebula, "weight_quantization_config": typed.weight_quantization}
