@@ -192,3 +192,12 @@ def test_flops_profiler_step_is_not_a_deepspeed_key_but_the_error_points_to_prof
 def test_unknown_keys_are_still_errors():
     with pytest.raises(ConfigError, match=r"dataloader_droplast: unknown key \(did you mean 'dataloader_drop_last'"):
         load_config({**BASE, "dataloader_droplast": True})
+
+
+def test_python_objects_deepspeed_keeps_in_tensor_parallel_stay_out_of_the_json_dump():
+    group, mpu = object(), object()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_config({**BASE, "tensor_parallel": {"tp": {"tp_group": group, "mpu": mpu}}})
+    assert cfg.tensor_parallel.tp.tp_group is group and cfg.tensor_parallel.tp.mpu is mpu
+    assert cfg.to_dict()["tensor_parallel"]["tp"] == {"tp_size": 1, "tp_grain_size": 1}

@@ -61,9 +61,9 @@ class TPGroupConfig(DSConfigModel):
     tp_size: PosInt = 1
     tp_grain_size: PosInt = 1
     """Shard sizes are multiples of this many elements."""
-    mpu: Any = None
+    mpu: Any = Field(None, exclude=True)
     """A Python object (not JSON); AutoTP training takes its groups from ``initialize``'s ``mpu`` instead."""
-    tp_group: Any = None
+    tp_group: Any = Field(None, exclude=True)
     """A process group (not JSON); see ``mpu``."""
 
 
@@ -85,7 +85,7 @@ class TensorParallelConfig(DSConfigModel):
                                                                                   "kernel_inject"))
     tp: TPGroupConfig = Field(default_factory=TPGroupConfig,
                               validation_alias=AliasChoices("tp", "tensor_parallel"))
-    injection_policy_tuple: Any = None
+    injection_policy_tuple: Any = Field(None, exclude=True)
     """Kernel-injection policies (Python classes; an inference feature, no effect on AutoTP training)."""
 
     @field_validator("preset_model", mode="before")
