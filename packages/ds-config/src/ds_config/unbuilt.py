@@ -86,19 +86,20 @@ _AUTOEP = "AutoEP keeps the Hugging Face block's own router and detects blocks b
 
 INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("hybrid_engine", _disabled, "DeepSpeed-Chat's hybrid engine (train/generate) is not built"),
-    InertKey("nebula", _disabled, "the Azure Nebula checkpoint service is not built"),
+    InertKey("nebula", _disabled, "the Azure Nebula checkpoint service is not built (DeepSpeed 0.19.8 removed it)"),
     InertKey("datastates_ckpt", _is(None, False), "DataStates-LLM asynchronous checkpointing is not built"),
     InertKey("weight_quantization", _is(None), "quantizing weights at initialisation for training "
              "(quantized_initialization / post_init_quant) is not built; ds_inference has its own quantization"),
-    InertKey("graph_harvesting", _is(False), "CUDA-graph capture of fused optimizer kernels is not built"),
+    InertKey("graph_harvesting", _is(False), "CUDA-graph capture of fused optimizer kernels is not built "
+             "(DeepSpeed 0.19.8 removed it)"),
     InertKey("disable_python_gc", _is(False), "the engine leaves Python's garbage collector alone"),
     InertKey("data_types.keep_in_fp32_modules", _is(None, "auto"), "module buffers follow the precision cast"),
     InertKey("zero_optimization.compute_grad_norm", _is(True), "ZeRO stage 1/2 always computes the gradient "
              "norm"),
     InertKey("zero_optimization.parameter_alignment", _is(False), "ZeRO stage 1/2 flat buffers are not padded "
              "per parameter"),
-    InertKey("quantize_training", _is(None), "DeepSpeed 0.19 reads only its eigenvalue settings (for MoQ, "
-             "which it has disabled itself)"),
+    InertKey("quantize_training", _is(None), "DeepSpeed 0.19.6 reads only its eigenvalue settings (for MoQ, "
+             "which it has disabled itself; 0.19.8 removed MoQ)"),
     InertKey("compression_training.shared_parameters", _is(None), "DeepSpeed 0.19 reads it only as the gate "
              "of quantize_training's eigenvalue settings"),
     InertKey("managed_gradient_accumulation", _is(True), "unmanaged gradient accumulation (step() as the "
