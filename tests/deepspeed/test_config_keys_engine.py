@@ -140,16 +140,17 @@ def _buffer_dtypes() -> tuple[str, str]:
     import deepspeed
 
     out = []
-    for extra in ({}, {"data_types": {"buffer_dtype": "fp32"}}):
+    for buffers in ("fp32", "fp16"):
         model = nn.Sequential(nn.Linear(IN, IN), nn.BatchNorm1d(IN))
-        engine, *_ = deepspeed.initialize(model=model, config=_base(bf16={"enabled": True}, **extra))
+        config = _base(bf16={"enabled": True}, data_types={"buffer_dtype": buffers})
+        engine, *_ = deepspeed.initialize(model=model, config=config)
         out.append(str(engine.module[1].running_mean.dtype))
         assert engine.module[0].weight.dtype == torch.bfloat16
     return tuple(out)
 
 
 def test_buffer_dtype_casts_the_buffers_after_the_precision_cast():
-    assert run_distributed(_buffer_dtypes, world_size=1, timeout=90)[0] == ("torch.bfloat16", "torch.float32")
+    assert run_distributed(_buffer_dtypes, world_size=1, timeout=90)[0] == ("torch.float32", "torch.float16")
 
 
 def test_deepspeed_config_object_carries_the_new_keys_under_deepspeeds_attribute_names():
