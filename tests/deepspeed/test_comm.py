@@ -433,9 +433,10 @@ with socket.socket() as s:
     port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import torch.distributed as dist
-import deepspeed.comm
 
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after later handlers
+import deepspeed.comm  # registers its exit hook, which runs before the handler above
+
 deepspeed.comm.init_distributed(dist_backend="gloo", verbose=False)
 deepspeed.comm.barrier()
 print("trained")
@@ -444,7 +445,8 @@ print("trained")
 
 def test_a_group_made_by_init_distributed_is_destroyed_at_exit():
     """Scripts (and the Trainer) rarely destroy their group; a gloo thread still running while the interpreter
-    finalises can abort the process, so the group deepspeed.comm made is destroyed by an exit handler."""
+    finalises can abort the process, so deepspeed.comm destroys the groups in an exit handler (registered when
+    it is imported, so handlers registered later still find the group)."""
     import subprocess
     import sys
 

@@ -7,7 +7,6 @@ every collective of the group then carries (``DEEPSPEED_TIMEOUT`` minutes, 30 by
 
 from __future__ import annotations
 
-import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -40,6 +39,7 @@ from deepspeed.comm._collectives import (
     send,
 )
 from deepspeed.comm._env import LaunchEnv, discover_launch_env
+from deepspeed.comm._exit import register_exit_hook
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from deepspeed.utils.logging import logger
 
@@ -59,6 +59,7 @@ def _unpin_world_group() -> None:
 
 
 _unpin_world_group()
+register_exit_hook()  # process groups end (their gloo threads joined) before the interpreter does; see _exit
 
 
 comms_logger = _state.comms_logger
@@ -165,16 +166,6 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         torch.cuda.set_device(place.local_rank)
     dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout, rank=place.rank,
                             world_size=place.world_size)
-    if backend == "gloo":
-        atexit.register(_destroy_at_exit)  # once per group made here; a no-op when the caller destroyed it
-
-
-def _destroy_at_exit() -> None:
-    """Destroy the gloo group this module made before the interpreter winds down, so its threads are joined
-    while Python still runs: one still running during finalisation can abort the process at exit (training
-    scripts and the Trainer rarely destroy their group)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _default_backend() -> str:
