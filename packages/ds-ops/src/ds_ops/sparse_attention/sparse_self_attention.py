@@ -1,8 +1,7 @@
-"""Block-sparse self-attention in plain torch: the layout expanded to a token mask over dense scores.
+"""``SparseSelfAttention``: DeepSpeed's module over ``block_sparse.block_sparse_attention``.
 
-DeepSpeed computes the same thing with Triton block-sparse kernels (only the blocks the layout keeps); this version
-materializes ``[batch, heads, L, L]`` scores and masks the dropped blocks with ``-inf``, so its results equal
-dense attention restricted to the layout; memory is O(L^2), not O(nnz blocks).
+DeepSpeed runs Triton block-sparse kernels; here the blocks the layout keeps are gathered and attended in chunks,
+so time and memory grow with the layout's non-zero blocks, not with L^2 (see ``block_sparse.py``).
 """
 
 from __future__ import annotations
@@ -11,42 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .block_sparse import DEFAULT_CHUNK_ELEMENTS, BlockPlan, block_sparse_attention, make_plan
+from .masked_dense import MASK_MODES
 from .sparsity_config import SparsityConfig
-
-_MASK_MODES = ("add", "mul")
-
-
-def layout_to_token_mask(layout: torch.Tensor, block: int) -> torch.Tensor:
-    """``[H, nb, nb]`` block layout -> ``[H, nb*block, nb*block]`` bool mask (True: query attends to key)."""
-    return layout.bool().repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
-
-
-def _additive(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """DeepSpeed's mask modes: 'add' adds the mask to the scores; 'mul' drops the positions where it is 0."""
-    if mode == "mul":
-        return torch.zeros_like(mask).masked_fill(mask == 0, float("-inf"))
-    return mask
-
-
-def block_sparse_attention(query, key, value, token_mask, scale, rpe=None, key_padding_mask=None, attn_mask=None,
-                           key_padding_mask_mode="add", attn_mask_mode="mul"):
-    """softmax(q k^T * scale + rpe + masks, over the kept positions) v, in at least float32; a row with nothing
-    kept gives 0.
-
-    query/key/value ``[B, H, L, D]``; token_mask ``[H, L, L]`` bool; key_padding_mask ``[B, L]``; attn_mask
-    ``[L, L]``; rpe broadcastable to ``[B, H, L, L]``.
-    """
-    dtype = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query.to(dtype), key.to(dtype).transpose(-1, -2)) * scale
-    if rpe is not None:
-        scores = scores + rpe.to(dtype)
-    if key_padding_mask is not None:
-        scores = scores + _additive(key_padding_mask.to(dtype), key_padding_mask_mode)[:, None, None, :]
-    if attn_mask is not None:
-        scores = scores + _additive(attn_mask.to(dtype), attn_mask_mode)
-    scores = scores.masked_fill(~token_mask.to(scores.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, value.to(dtype)).to(value.dtype)
 
 
 class SparseSelfAttention(nn.Module):
@@ -60,21 +26,22 @@ class SparseSelfAttention(nn.Module):
                  attn_mask_mode='mul', max_seq_length=2048):
         super().__init__()
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
-            if mode not in _MASK_MODES:
+            if mode not in MASK_MODES:
                 raise ValueError(f"{name} must be 'add' or 'mul', got {mode!r}")
         self.sparsity_config = sparsity_config
         self.register_buffer("master_layout", sparsity_config.make_layout(max_seq_length))
         self._need_layout_synchronization = True
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
-        self._token_masks: dict[tuple[int, str], torch.Tensor] = {}
+        self.chunk_elements = DEFAULT_CHUNK_ELEMENTS  # scores per chunk: the work space, see block_sparse.py
+        self._plans: dict[tuple[int, str], BlockPlan] = {}
 
     def get_layout(self, L):
         """The ``[H, L/block, L/block]`` layout for sequence length L (rank 0's, once a process group exists)."""
         if self._need_layout_synchronization and dist.is_available() and dist.is_initialized():
             dist.broadcast(self.master_layout, src=0)  # random layouts must agree across ranks
             self._need_layout_synchronization = False
-            self._token_masks.clear()
+            self._plans.clear()
         if L % self.sparsity_config.block != 0:
             raise ValueError(f'Sequence Length, {L}, needs to be dividable by Block size {self.sparsity_config.block}!')
         num_blocks = L // self.sparsity_config.block
@@ -83,12 +50,11 @@ class SparseSelfAttention(nn.Module):
                              f"{self.master_layout.shape[-1] * self.sparsity_config.block}")
         return self.master_layout[..., :num_blocks, :num_blocks].cpu()
 
-    def _token_mask(self, L: int, device: torch.device) -> torch.Tensor:
+    def _plan(self, L: int, device: torch.device) -> BlockPlan:
         key = (L, str(device))
-        if key not in self._token_masks:
-            layout = self.get_layout(L)
-            self._token_masks[key] = layout_to_token_mask(layout, self.sparsity_config.block).to(device)
-        return self._token_masks[key]
+        if key not in self._plans:
+            self._plans[key] = make_plan(self.get_layout(L), self.sparsity_config.block, device)
+        return self._plans[key]
 
     def transpose_key_for_scores(self, x, L):
         """Accept keys given as ``[B, H, D, L]`` (already transposed) too."""
@@ -120,7 +86,7 @@ class SparseSelfAttention(nn.Module):
             key_padding_mask = self.transpose_mask_for_sparse(query.dtype, key_padding_mask, is_key_padding_mask=True)
         if attn_mask is not None:
             attn_mask = self.transpose_mask_for_sparse(query.dtype, attn_mask)
-        return block_sparse_attention(query, key, value, self._token_mask(tgt_len, query.device),
-                                      float(head_dim) ** -0.5, rpe=rpe, key_padding_mask=key_padding_mask,
-                                      attn_mask=attn_mask, key_padding_mask_mode=self.key_padding_mask_mode,
-                                      attn_mask_mode=self.attn_mask_mode)
+        return block_sparse_attention(query, key, value, self._plan(tgt_len, query.device), float(head_dim) ** -0.5,
+                                      rpe=rpe, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                      key_padding_mask_mode=self.key_padding_mask_mode,
+                                      attn_mask_mode=self.attn_mask_mode, chunk_elements=self.chunk_elements)
