@@ -2,7 +2,8 @@
 tiny model two steps with ZeRO-2, ZeRO-3, ZeRO-3 on NVMe, a 2-stage pipeline or a 2-expert MoE layer (``kind``),
 prints ``DONE <rank>`` and ends without destroying its process groups, as training scripts do. ``inflight``:
 leaves collectives of a group held by a module-level table running at exit (the sharpest form of the race
-``deepspeed.comm._exit`` closes). ``--no-exit-hook`` unregisters that hook (the baseline).
+``deepspeed.comm._exit`` closes). ``--destroy-only``: the baseline, the exit hook as it was before (destroy the
+registered groups only, leaving those that references keep alive, and their threads, to finalisation).
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python tests/deepspeed/_exit_job.py zero3
 """
@@ -15,6 +16,7 @@ import sys
 import tempfile
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import deepspeed
@@ -74,8 +76,6 @@ def _train(kind: str, scratch: str) -> None:
 
 
 def _inflight() -> None:
-    import torch.distributed as dist
-
     GROUPS.extend(dist.new_group([0, 1]) for _ in range(2))
     for group in GROUPS:
         for _ in range(20):  # never waited: the gloo workers finish and drop them while the process ends
@@ -84,8 +84,9 @@ def _inflight() -> None:
 
 def main(argv: list[str]) -> None:
     kind = argv[0]
-    if "--no-exit-hook" in argv:
+    if "--destroy-only" in argv:
         atexit.unregister(end_process_groups)
+        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
     torch.set_num_threads(1)
     deepspeed.comm.init_distributed(dist_backend="gloo", verbose=False)
     if kind == "inflight":
