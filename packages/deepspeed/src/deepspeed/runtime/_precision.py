@@ -60,6 +60,9 @@ def _summed_square(local_norm: float, group: Any) -> float:
 class FP32Optimizer(LossScaledWrapper):
     """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
 
+    grads_in_params = True
+    """Gradients live in ``param.grad`` (the reducer may make them views of its buckets, see ``_grad_reduce``)."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
                  dp_group: Any = None, check_overflow: bool = False, norm_scope: NormScope = LOCAL) -> None:
         self.optimizer = optimizer
@@ -187,6 +190,10 @@ class MixedPrecisionOptimizer(FP32Optimizer):
             group["params"] = masters
         optimizer.state.clear()  # state keyed by the low-precision tensors would no longer match
         register_masters(optimizer, self.master_of)  # deepspeed.utils.safe_* reach the masters (as BF16_Optimizer)
+
+    @property
+    def grads_in_params(self) -> bool:  # type: ignore[override]
+        return not self.fp32_grad_accum
 
     def _accumulates(self, param: torch.nn.Parameter) -> bool:
         """True when ``param``'s gradient lives in its master's fp32 buffer (params outside the optimizer: no)."""
