@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 import types
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
 _GLOO_WORKER = "pt_gloo_runloop"  # the name gloo gives its worker threads (Linux: /proc/self/task/*/comm)
 _registered = False
 
@@ -50,8 +53,12 @@ def gloo_workers() -> int | None:
     return count
 
 
+_GROUP_TYPES = (dist.ProcessGroup, torch._C._distributed_c10d.Backend) if dist.is_available() else ()
+
+
 def _is_group(value: Any) -> bool:
-    return isinstance(value, dist.ProcessGroup)
+    """A process group, or one of its backends (``pg._get_backend(device)``), which holds the threads."""
+    return isinstance(value, _GROUP_TYPES)
 
 
 def _untracked_dict(value: Any) -> bool:
@@ -140,7 +147,10 @@ def end_process_groups() -> None:
     if not dist.is_available():
         return
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - a broken backend must not stop the threads being joined
+            logger.warning(f"destroying the process groups at exit failed ({type(exc).__name__}: {exc})")
     if gloo_workers() == 0:
         return
     gc.collect()
