@@ -42,6 +42,11 @@ if [ -z "$python" ]; then
   [ -x "$python" ] || bash "$root/scripts/hatch" run test:python -c "pass"  # builds the test env once
 fi
 [ -x "$python" ] || { echo "upstream-tests: no python at '$python'" >&2; exit 2; }
+if ! "$python" -c "import pytest, transformers" >/dev/null 2>&1; then
+  echo "upstream-tests: $python lacks pytest or transformers (DeepSpeed's tests need both); install them into" \
+       "that environment first: $python -m pip install pytest transformers" >&2
+  exit 2
+fi
 
 files=("$@")
 if [ -n "$list" ]; then mapfile -t -O "${#files[@]}" files < <(sed -e 's/#.*//' -e '/^\s*$/d' "$list"); fi

@@ -90,6 +90,9 @@ def read_file_result(results: Path, name: str) -> FileResult:
     res = FileResult(name)
     status: dict[str, str] = {}
     status_path = stem.with_suffix(".status")
+    if not status_path.exists():
+        res.note = "not run"
+        return res
     if status_path.exists():
         for line in status_path.read_text().splitlines():
             key, _, value = line.partition("=")

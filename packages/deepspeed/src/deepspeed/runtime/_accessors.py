@@ -161,3 +161,8 @@ class ConfigAccessors:
 
     def checkpoint_tag_validation_fail(self) -> bool:
         return self._config.checkpoint.tag_validation == "Fail"
+
+    def get_pld_theta(self) -> float | None:
+        """Progressive Layer Dropping's current keep probability (None when PLD is off)."""
+        pld = getattr(self, "progressive_layer_drop", None)
+        return None if pld is None else pld.get_theta()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
 from deepspeed.autotuning._probe import attach_probe as attach_autotuning_probe
-from deepspeed.runtime import _data_efficiency, _moe_setup, _setup
+from deepspeed.runtime import _data_efficiency, _moe_setup, _pld_setup, _setup
 from deepspeed.utils import log_dist
 from ds_config import ConfigError, ConfigProblem
 
@@ -154,6 +154,7 @@ def add_checkpoint_shards(engine: Any) -> None:
 def attach_features(engine: Any, config: Any, training_data: Any, collate_fn: Any) -> None:
     """What is attached once the optimizer and the training state exist: the data-efficiency schedules, the
     training loader, the monitor, the FLOPs profiler, the autotuning probe and ``torch.compile``."""
+    _pld_setup.attach(engine, config)
     engine.data_efficiency = _data_efficiency.build(config, engine.train_batch_size(),
                                                     engine.train_micro_batch_size_per_gpu())
     engine.training_dataloader = (engine.deepspeed_io(training_data, collate_fn=collate_fn)

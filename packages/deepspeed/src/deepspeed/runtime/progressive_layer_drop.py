@@ -7,8 +7,9 @@ its forward call. ``theta(0) = 1`` (keep every layer); it decays towards ``theta
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+import numpy as np
 
 from deepspeed.utils.logging import log_dist
 
@@ -38,4 +39,5 @@ class ProgressiveLayerDrop:
 
     def update_state(self, global_step: int) -> None:
         """Set the keep probability for ``global_step``."""
-        self.current_theta = (1.0 - self.theta) * math.exp(-self.gamma * global_step) + self.theta
+        # numpy's exp, as DeepSpeed's: scripts compare the value bit for bit (math.exp may differ in the last ulp)
+        self.current_theta = float((1.0 - self.theta) * np.exp(-self.gamma * global_step) + self.theta)
