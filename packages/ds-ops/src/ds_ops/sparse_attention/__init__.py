@@ -3,9 +3,9 @@ implementation of sparse self-attention that computes only their blocks (beside 
 helpers to use it in BERT/RoBERTa models."""
 
 from .bert_sparse_self_attention import BertSparseSelfAttention
-from .sparse_attention_utils import SparseAttentionUtils
 from .block_sparse import BlockPlan, block_sparse_attention, make_plan
 from .masked_dense import layout_to_token_mask, masked_dense_attention
+from .sparse_attention_utils import SparseAttentionUtils
 from .sparse_self_attention import SparseSelfAttention
 from .sparsity_config import (
     BigBirdSparsityConfig,

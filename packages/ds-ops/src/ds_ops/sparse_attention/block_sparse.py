@@ -93,13 +93,13 @@ def make_plan(layout: torch.Tensor, block: int, device: torch.device | str = "cp
     return BlockPlan(keep.shape[0], keep.shape[1], block, tuple(groups), torch.device(device))
 
 
-def _scores(c: _Chunk, qb, kb, block, rpe, kpm, kpm_mode, am, am_mode, shift=None):
-    """Chunk scores ``[B*n, g*block, k*block]`` (qb pre-scaled) with rpe and masks added and ``shift``
-    (``[B*n, g*block, 1]``) subtracted; also the gathered query and key blocks ``[B*n, g*block or k*block, D]``.
+def _scores(c: _Chunk, qb, kb, scale, block, rpe, kpm, kpm_mode, am, am_mode, shift=None):
+    """Chunk scores ``[B*n, g*block, k*block]`` with rpe and masks added and ``shift`` (``[B*n, g*block, 1]``)
+    subtracted; also the gathered query blocks times scale and key blocks (``[B*n, g*block or k*block, D]``).
     qb, kb: ``[B, H*nb, block*D]``."""
     (n, g), k = c.rows.shape, c.cols.shape[1]
     bsz, d = qb.shape[0], qb.shape[-1] // block
-    q = qb.index_select(1, c.query_index).view(bsz * n, g * block, d)
+    q = qb.index_select(1, c.query_index).view(bsz * n, g * block, d).mul_(scale)
     keys = kb.index_select(1, c.key_index).view(bsz * n, k * block, d)
     if shift is None:
         s = torch.bmm(q, keys.transpose(1, 2))
@@ -140,13 +140,12 @@ class _BlockSparseAttention(torch.autograd.Function):
         bsz, heads, length, d = q.shape
         block = plan.block
         rpe_b, kpm_b, am_b = _masks(rpe, kpm, am, bsz, block)
-        qs = q * scale
-        qb, kb, vb = _blocked(qs, block), _blocked(k, block), _blocked(v, block)
+        qb, kb, vb = _blocked(q, block), _blocked(k, block), _blocked(v, block)
         out = q.new_zeros(bsz, heads * plan.num_blocks, block * d)
         lse = q.new_full((bsz, heads * plan.num_blocks, block), float("inf"))  # +inf: the row attends nothing
         for c in plan.chunks(bsz, budget):
             (n, g), kc = c.rows.shape, c.cols.shape[1]
-            s, _, _ = _scores(c, qb, kb, block, rpe_b, kpm_b, kpm_mode, am_b, am_mode)
+            s, _, _ = _scores(c, qb, kb, scale, block, rpe_b, kpm_b, kpm_mode, am_b, am_mode)
             m = s.amax(-1, keepdim=True)
             m.masked_fill_(m == float("-inf"), 0.0)  # a row masked whole: exp(-inf - 0) = 0
             p = s.sub_(m).exp_()
@@ -157,30 +156,30 @@ class _BlockSparseAttention(torch.autograd.Function):
             row_lse = torch.where(total > 0, m + total.log(), float("inf"))
             lse.index_copy_(1, c.query_index, row_lse.view(bsz, n * g, block))
         out = out.reshape(bsz, heads, length, d)
-        ctx.save_for_backward(qs, k, v, out, lse, rpe, kpm, am)
+        ctx.save_for_backward(q, k, v, out, lse, rpe, kpm, am)
         ctx.setup = (plan, scale, kpm_mode, am_mode, budget)
         ctx.rpe_shape = None if rpe is None else rpe.shape
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qs, k, v, out, lse, rpe, kpm, am = ctx.saved_tensors
+        q, k, v, out, lse, rpe, kpm, am = ctx.saved_tensors
         plan, scale, kpm_mode, am_mode, budget = ctx.setup
-        bsz, heads, length, d = qs.shape
+        bsz, heads, length, d = q.shape
         block, nb = plan.block, plan.num_blocks
         rpe_b, kpm_b, am_b = _masks(rpe, kpm, am, bsz, block)
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1).reshape(bsz, heads * nb, block)
-        qb, kb, vb, gb = _blocked(qs, block), _blocked(k, block), _blocked(v, block), _blocked(dout, block)
+        delta = torch.bmm(dout.view(-1, 1, d), out.view(-1, d, 1)).view(bsz, heads * nb, block)  # rowsum(dO * O)
+        qb, kb, vb, gb = _blocked(q, block), _blocked(k, block), _blocked(v, block), _blocked(dout, block)
         biased = rpe is not None or kpm is not None or am is not None
-        dq = qs.new_zeros(bsz, heads * nb, block * d)
-        dk = qs.new_zeros(bsz, heads * nb, block * d)
-        dv = qs.new_zeros(bsz, heads * nb, block * d)
-        drpe = qs.new_zeros(bsz, heads * nb * nb, block, block) if ctx.needs_input_grad[3] else None
+        dq = q.new_zeros(bsz, heads * nb, block * d)
+        dk = q.new_zeros(bsz, heads * nb, block * d)
+        dv = q.new_zeros(bsz, heads * nb, block * d)
+        drpe = q.new_zeros(bsz, heads * nb * nb, block, block) if ctx.needs_input_grad[3] else None
         for c in plan.chunks(bsz, budget):
             (n, g), kc = c.rows.shape, c.cols.shape[1]
             row_lse = lse.index_select(1, c.query_index).view(bsz * n, g * block, 1)
-            s, qc, keys = _scores(c, qb, kb, block, rpe_b, kpm_b, kpm_mode, am_b, am_mode,
+            s, qc, keys = _scores(c, qb, kb, scale, block, rpe_b, kpm_b, kpm_mode, am_b, am_mode,
                                   shift=None if biased else row_lse)
             p = (s.sub_(row_lse) if biased else s).exp_()  # [B*n, g*block, kc*block]
             gc = gb.index_select(1, c.query_index).view(bsz * n, g * block, d)
@@ -197,7 +196,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         if drpe is not None:
             drpe = drpe.reshape(bsz, heads, nb, nb, block, block).transpose(3, 4).reshape(bsz, heads, length, length)
             drpe = drpe.sum_to_size(ctx.rpe_shape)
-        return (dq.reshape(qs.shape), dk.reshape(k.shape), dv.reshape(v.shape), drpe,
+        return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), drpe,
                 None, None, None, None, None, None, None)
 
 
