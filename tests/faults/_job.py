@@ -84,7 +84,23 @@ def arm(engine, phase: str, fault: Fault) -> None:
         raise ValueError(f"PHASE={phase!r}; accepted: forward, backward, step, save, load")
 
 
+def start_together(work: str, timeout_s: float = 300.0) -> None:
+    """Wait (through files) until every rank has imported torch and deepspeed. On a loaded machine one rank can
+    start many seconds after the other, and the rendezvous waits no longer than the short process-group
+    timeout these jobs use."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    open(os.path.join(work, f"ready_r{rank}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(work, f"ready_r{r}")) for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks did not start within {timeout_s:g} s")
+        time.sleep(0.02)
+
+
 def main(work: str, kind: str, phase: str, victim: int) -> None:
+    import deepspeed  # noqa: F401 - imported before the start line, so that only set-up remains after it
+
+    start_together(work)
     engine = build_engine()
     rank = torch.distributed.get_rank()
     train(engine, 2)

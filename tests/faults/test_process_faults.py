@@ -84,8 +84,9 @@ def _bare(work: Path, kind: str, phase: str, victim: int) -> tuple[str, float]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.communicate()
-    assert survivor.returncode == 1, out.decode(errors="replace")[-3000:]
-    error = (work / f"error_r{1 - victim}.txt").read_text()
+    report = work / f"error_r{1 - victim}.txt"
+    assert survivor.returncode == 1 and report.exists(), out.decode(errors="replace")[-4000:]
+    error = report.read_text()
     return error, ended - _fault_time(work)
 
 
