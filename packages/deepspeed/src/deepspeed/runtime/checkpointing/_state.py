@@ -118,6 +118,10 @@ class CheckpointShards(Protocol):
     beside ``latest`` (ZeRO's ``zero_to_fp32.py``).
     ``load_files(ctx, load)``: restore from this rank's files; ``load(name)`` returns a file's object read with
     ``torch.load(weights_only=True)`` and clear errors for missing or corrupt files.
+    ``prepare_load(ctx, load)`` / ``prepare_universal(ctx, load)`` (optional, preferred): read and check every
+    file, changing nothing and entering no collective, and return the function that applies them; the loader
+    calls it only after every rank's reads succeeded (see ``_restore``). Errors may carry ``checkpoint_path`` and
+    ``reason`` attributes, reported as ``<file>: <reason>`` (``_agreement``).
     """
 
     owns_optimizer_state: bool
