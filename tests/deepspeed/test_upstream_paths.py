@@ -92,3 +92,24 @@ def test_unwrap_model_for_generation_gathers_once_and_restores_the_hooks() -> No
     for gathered, no_hooks, released, loss in run_distributed(_unwrap_body, world_size=2, timeout=120):
         assert gathered and no_hooks and released
         assert loss > 0
+
+
+def test_accelerator_typed_tensor_constructors() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    flags = acc.ByteTensor([1, 0, 1])
+    assert flags.dtype == torch.uint8 and flags.tolist() == [1, 0, 1] and flags.device.type == acc.device_name()
+    assert acc.FloatTensor(2, 3).shape == (2, 3) and acc.LongTensor(4).dtype == torch.int64
+    assert isinstance(flags, acc.ByteTensor) and not isinstance(flags, acc.FloatTensor)
+    assert acc.BFloat16Tensor([1.5]).dtype == torch.bfloat16 and acc.HalfTensor([1.0]).dtype == torch.float16
+    assert not hasattr(acc, "NoSuchTensor")
+
+
+def test_elasticity_submodules_are_attributes_after_import_deepspeed() -> None:
+    import subprocess
+    import sys
+
+    code = "import deepspeed; print(deepspeed.elasticity.config.ElasticityConfig.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "ElasticityConfig"

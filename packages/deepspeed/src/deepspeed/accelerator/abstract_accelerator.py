@@ -200,6 +200,14 @@ class DeepSpeedAccelerator(abc.ABC):
         """Whether ``tensor`` lives on this device family."""
         return tensor.device.type == self._name
 
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's typed-tensor constructors (``ByteTensor``, ``FloatTensor``, ...) on this device."""
+        from deepspeed.accelerator._tensor_types import TENSOR_TYPES, TypedTensor
+
+        if name in TENSOR_TYPES:
+            return TypedTensor(TENSOR_TYPES[name], self._name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- profiling ranges, lazy init, environment ---------------------------------------------------------
     @abc.abstractmethod
     def range_push(self, msg: str) -> None:
