@@ -143,6 +143,7 @@ def test_launcher_on_a_cuda_build_without_gpu_runs_cpu_ranks_and_prefixes_once(t
     assert "[rank1]: Traceback (most recent call last):" in err
     assert "[rank1]: RuntimeError: boom on purpose" in err
     assert "[rank1]: [rank1]:" not in err, err
+    assert "Warning" not in out + err, out + err  # nothing else a user would wonder about (e.g. at exit)
 
 
 def test_prefixer_does_not_double_a_prefix_the_rank_wrote_itself():
@@ -212,3 +213,41 @@ def test_missing_checkpoint_is_reported_with_each_ranks_own_file(tmp_path):
         assert len(warned) == 1, warned
         own = os.path.join(str(tmp_path), "never_saved", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         assert own in warned[0], (rank, warned)
+
+
+def _readme_block(heading: str, lang: str, after: str | None = None) -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(heading):]
+    if after is not None:
+        section = section[section.index(after):]
+    start = section.index(f"```{lang}\n") + len(lang) + 4
+    return section[start:section.index("```", start)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.path.exists("/job/hostfile"), reason="a real /job/hostfile would be used")
+def test_readme_script_on_two_simulated_nodes(tmp_path):
+    """The README's own-script example, run as its "two simulated nodes" commands say (another port): both nodes
+    train one ZeRO-3 job, each rank writes its checkpoint shard, and nothing else is printed that a user would
+    wonder about (no warnings, at exit included)."""
+    (tmp_path / "train.py").write_text(_readme_block("## Your own script", "python"))
+    (tmp_path / "ds_config.json").write_text(_readme_block("## Your own script", "json"))
+    commands = _readme_block("## Your own script", "bash", after="Two simulated nodes").replace("\\\n", " ")
+    lines = [line.split("#")[0].strip() for line in commands.splitlines() if line.strip()]
+    assert lines[0].startswith("printf") and len(lines) == 3, lines
+    subprocess.run(["bash", "-c", lines[0]], cwd=tmp_path, check=True)
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env.update(HOME=str(tmp_path), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    nodes = [subprocess.Popen(["bash", "-c", line.replace("29600", port)], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for line in lines[1:]]
+    outputs = [node.communicate(timeout=150)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "[rank0]: step 15 loss" in outputs[0], outputs[0]
+    assert "Active resources: {'node0': [0], 'node1': [0]}" in outputs[1]
+    shards = sorted(p.name for p in (tmp_path / "checkpoints" / "global_step20").iterdir())
+    assert [s for s in shards if s.endswith("model_states.pt")] == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    for out in outputs:
+        assert "Warning" not in out and "Traceback" not in out, out

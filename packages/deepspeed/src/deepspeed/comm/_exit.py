@@ -27,6 +27,7 @@ import gc
 import logging
 import os
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -139,7 +140,9 @@ def _drop_in(obj: Any) -> int:
 def drop_group_references() -> int:
     """Replace every reference to a process group reachable from a garbage-collected container, cell,
     function default or instance attribute with None; returns how many were replaced."""
-    return sum(_drop_in(obj) for obj in gc.get_objects())
+    with warnings.catch_warnings():  # isinstance() on deprecated module proxies (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")  # warns once per check: a screenful at every exit
+        return sum(_drop_in(obj) for obj in gc.get_objects())
 
 
 def end_process_groups() -> None:
