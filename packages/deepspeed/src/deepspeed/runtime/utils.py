@@ -33,6 +33,7 @@ from deepspeed.runtime._norms import (
     is_model_parallel_parameter,
     mask_nan_or_inf_with_val_inplace,
 )
+from deepspeed.runtime._partitioned_tensor import PartitionedTensor
 from deepspeed.utils.groups import (
     bwc_pipeline_parallel_group,
     bwc_pipeline_parallel_world_size,
@@ -43,6 +44,7 @@ from ds_pipe.module import partition_balanced, partition_uniform
 from ds_pipe.schedule import _call_to_str
 
 __all__ = [
+    "PartitionedTensor",
     "CheckOverflow", "DummyOptim", "align_dense_tensors", "bwc_pipeline_parallel_group",
     "bwc_pipeline_parallel_world_size", "bwc_tensor_model_parallel_rank", "call_to_str", "clip_grad_norm_",
     "clip_tensors_by_global_norm", "combine_grad_norm_groups", "copy_to_device", "empty_cache",
