@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from _harness import run_distributed
 
@@ -113,3 +114,39 @@ def test_elasticity_submodules_are_attributes_after_import_deepspeed() -> None:
     code = "import deepspeed; print(deepspeed.elasticity.config.ElasticityConfig.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "ElasticityConfig"
+
+
+def _partitioned_body(numel: int) -> tuple[list[int], bool, bool]:
+    import torch.distributed as dist
+
+    from deepspeed.runtime.utils import PartitionedTensor
+
+    full = torch.arange(numel, dtype=torch.float32).reshape(-1, 1) * 1.5
+    part = PartitionedTensor(full, dist.group.WORLD)
+    meta = part.to_meta()
+    again = PartitionedTensor.from_meta(meta, part.data(), dist.group.WORLD)
+    return meta.tolist(), torch.equal(again.full(), full), torch.equal(part.full(), full)
+
+
+def test_partitioned_tensor_round_trips_through_its_metadata() -> None:
+    for numel in (8, 7):  # even split (all-gather) and uneven (per-owner broadcast)
+        results = run_distributed(_partitioned_body, world_size=2, args=(numel,), timeout=60)
+        for rank, (meta, rebuilt, gathered) in enumerate(results):
+            assert meta == [2, numel, 1, 2, rank, 0, (numel + 1) // 2, numel]  # DeepSpeed's layout
+            assert rebuilt and gathered
+
+
+def test_tp_shard_widths() -> None:
+    from deepspeed.module_inject import tp_shard
+
+    try:
+        tp_shard.set_num_kv_heads(6)
+        assert tp_shard.get_shard_size_list(384, 4, "layers.0.self_attn.q_proj") == [128, 128, 64, 64]
+        tp_shard.set_tp_grain_size(64)
+        sizes = tp_shard.get_shard_size_list(1000, 3, "mlp.down_proj")
+        assert sizes == [320, 320, 360]  # 15 whole grains of 64 over 3 ranks, the 40-element tail on the last
+        with pytest.raises(ValueError, match="num=0"):
+            tp_shard.set_tp_grain_size(0)
+    finally:
+        tp_shard.set_num_kv_heads(None)
+        tp_shard.set_tp_grain_size(1)
