@@ -11,7 +11,7 @@ RECORD_DIR_ENV = "DS_FAULTS_RECORD_DIR"
 
 
 def record(fault: str, seen: str, seconds: float | None, bound: str, preserved: str) -> None:
-    """Store one row; ``seconds`` is the measured time to exit (None: nothing hung, the call raised at once)."""
+    """Store one row; ``seconds`` is the measured time to exit (None: nothing stops, e.g. a skipped step trains on)."""
     folder = os.environ.get(RECORD_DIR_ENV)
     if not folder:
         return
@@ -22,7 +22,7 @@ def record(fault: str, seen: str, seconds: float | None, bound: str, preserved: 
         json.dump(row, handle, indent=1)
 
 
-def _one_line(text: str, limit: int = 400) -> str:
+def _one_line(text: str, limit: int = 700) -> str:
     """A message as one table cell: the first line(s), paths of this run's temporary folder shortened."""
     text = " ".join(text.split())
     text = re.sub(r"/\S*/(pytest-of-[^/]+/)?pytest-\d+/[^/\s]+/", "<tmp>/", text)

@@ -80,7 +80,7 @@ def render(rows: list[dict], summary: str, xfails: list[str], wall_s: float) -> 
         "|---|---|---|---|---|",
     ]
     for row in rows:
-        seconds = "raises at once" if row["seconds"] is None else f"{row['seconds']:.2f} s"
+        seconds = "none (nothing stops)" if row["seconds"] is None else f"{row['seconds']:.2f} s"
         lines.append(f"| {_cell(row['fault'])} | {_cell(row['seen'])} | {seconds} | {_cell(row['bound'])} | "
                      f"{_cell(row['preserved'])} |")
     if xfails:

@@ -76,10 +76,10 @@ def _load_damaged(work: str, universal: bool) -> dict:
 
 
 KINDS = {  # kind: (file under ckpt/, whose file, universal load)
-    "model states": ("bad/mp_rank_00_model_states.pt", None, False),
+    "model states file": ("bad/mp_rank_00_model_states.pt", None, False),
     "optimizer (ZeRO) shard of rank 1": ("bad/zero_pp_rank_1_mp_rank_00_optim_states.pt", 1, False),
-    "latest": ("latest", None, False),
-    "universal folder parameter file": ("good_universal/zero/0.weight/fp32.pt", None, True),
+    "`latest` file": ("latest", None, False),
+    "parameter file of a universal checkpoint folder": ("good_universal/zero/0.weight/fp32.pt", None, True),
 }
 
 
@@ -101,6 +101,6 @@ def test_damaged_checkpoint_file(saved, tmp_path, kind, how):
         if owner is not None:
             assert f"rank {owner}: {path}" in error, error
     assert results[0]["error"] == results[1]["error"].replace("this is rank 1", "this is rank 0")
-    _record.record(f"{how.capitalize()} {kind} file", results[0]["error"], max(r["seconds"] for r in results),
+    _record.record(f"{how.capitalize()} {kind}", results[0]["error"], max(r["seconds"] for r in results),
                    f"< {LOAD_BOUND_S:g} s (raises on both ranks)",
                    "nothing loaded (parameters bitwise unchanged); tag `good` still loads bitwise")

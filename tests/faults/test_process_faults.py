@@ -147,7 +147,7 @@ def test_sigstop_of_one_rank_under_the_launcher(tmp_path):
     assert "[launcher] rank 0" in out and rc == 1, out[-3000:]
     assert PG_TIMEOUT_S - 1 < seconds < STALL_BOUND_S
     preserved = _assert_good_checkpoint_loads(tmp_path)
-    seen = next(x for x in out.splitlines() if "PeerFailureError" in x)
+    seen = next(x for x in out.splitlines() if "PeerFailureError: rank 0" in x)
     _record.record("SIGSTOP of rank 1 during forward (a stall; launcher)", seen, seconds,
                    f"process-group timeout ({PG_TIMEOUT_S:g} s) + {STALL_BOUND_S - PG_TIMEOUT_S:g} s", preserved)
 
