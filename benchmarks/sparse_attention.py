@@ -16,8 +16,10 @@ Variants:
    before (the profiler's allocation events carry the allocator's running total), each variant in a fresh
    subprocess so that nothing else is alive.
 3. Time: ``--reps`` repetitions, each timing one iteration of every variant in rotating order (drifting load hits
-   all alike); median wall ms, and median process CPU ms with one torch thread (``--cpu-reps``; on a loaded
-   machine CPU time is the steadier measure of the work). Ratios are medians of per-repetition ratios.
+   all alike), once with torch's default thread count (wall ms, and process CPU ms, which shows time spent
+   spinning in thread hand-offs) and once with one torch thread (wall and CPU ms). Ratios are medians of
+   per-repetition ratios to ``sdpa``.
+4. Ops: aten operator calls per step (profiler), the number of thread hand-offs a step pays for.
 
 Run: ``python benchmarks/sparse_attention.py`` (``--quick``: L = 1024, fewer repetitions).
 """
@@ -40,6 +42,7 @@ from _common import cpu_model, int_options
 
 from ds_ops.sparse_attention import FixedSparsityConfig, SparseSelfAttention, layout_to_token_mask
 from ds_ops.sparse_attention import masked_dense_attention as masked_dense
+from ds_ops.sparse_attention.block_sparse import DEFAULT_CHUNK_ELEMENTS
 
 VARIANTS = ("sdpa", "masked", "sparse")
 
@@ -65,6 +68,7 @@ def _variant(name, config, args):
         return F.scaled_dot_product_attention
     if name == "sparse":
         module = SparseSelfAttention(config, max_seq_length=args.seq)
+        module.chunk_elements = args.chunk_elements
         return module
     token_mask = layout_to_token_mask(config.make_layout(args.seq), config.block)
     scale = args.head_dim ** -0.5
@@ -116,20 +120,30 @@ def _memory(args, layout_index: int, name: str) -> int:
 
 def _size_args(args):
     return ["--batch", str(args.batch), "--heads", str(args.heads), "--seq", str(args.seq), "--head-dim",
-            str(args.head_dim), "--block", str(args.block), "--local-blocks", str(args.local_blocks)]
+            str(args.head_dim), "--block", str(args.block), "--local-blocks", str(args.local_blocks),
+            "--chunk-elements", str(args.chunk_elements)]
 
 
-def _times(fns, qkv, weight, reps, clock):
-    """{variant: [ms per repetition]}, variants in rotating order within each repetition."""
+def _times(fns, qkv, weight, reps):
+    """({variant: [wall ms]}, {variant: [CPU ms]}), variants in rotating order within each repetition."""
     names = list(fns)
-    times = {n: [] for n in names}
+    wall, cpu = {n: [] for n in names}, {n: [] for n in names}
     for rep in range(reps):
         for i in range(len(names)):
             name = names[(rep + i) % len(names)]
-            start = clock()
+            start, start_cpu = time.perf_counter(), time.process_time()
             _step(fns[name], qkv, weight)
-            times[name].append((clock() - start) * 1e3)
-    return times
+            wall[name].append((time.perf_counter() - start) * 1e3)
+            cpu[name].append((time.process_time() - start_cpu) * 1e3)
+    return wall, cpu
+
+
+def _op_count(fn, qkv, weight) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(fn, qkv, weight)
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
 def _ratio(num, den):
@@ -143,12 +157,13 @@ def _density(config, seq):
 
 def main() -> None:
     parser = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), batch=1, heads=4,
-                         seq=4096, head_dim=64, block=32, local_blocks=8, reps=5, cpu_reps=3)
+                         seq=4096, head_dim=64, block=32, local_blocks=8, reps=5,
+                         chunk_elements=DEFAULT_CHUNK_ELEMENTS)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child-memory", nargs=2, metavar=("LAYOUT", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.seq, args.reps, args.cpu_reps = 1024, 3, 2
+        args.seq, args.reps = 1024, 3
     if args.child_memory:
         _child(args)
         return
@@ -163,33 +178,40 @@ def main() -> None:
         out, grads = _step(fns["sparse"], qkv, weight)
         err = max(float((a - b).abs().max()) for a, b in zip([out, *grads], [ref_out, *ref_grads], strict=True))
         peaks = {name: _memory(args, index, name) for name in VARIANTS}
-        wall = _times(fns, qkv, weight, args.reps, time.perf_counter)
+        ops = {name: _op_count(fn, qkv, weight) for name, fn in fns.items()}
+        timings = [_times(fns, qkv, weight, args.reps)]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        cpu = _times(fns, qkv, weight, args.cpu_reps, time.process_time)
+        timings.append(_times(fns, qkv, weight, args.reps))
         torch.set_num_threads(threads)
-        rows.append((label, _density(config, args.seq), err, peaks, wall, cpu))
+        rows.append((label, _density(config, args.seq), err, peaks, ops, timings))
 
     load_after = os.getloadavg()
     print(f"# {started:%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
     print(f"# load average (1, 5, 15 min) before {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, "
           f"after {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}")
-    print(f"# B={args.batch} H={args.heads} L={args.seq} D={args.head_dim} fp32, forward + backward; wall: "
-          f"{args.reps} interleaved reps, {torch.get_num_threads()} threads; CPU: {args.cpu_reps} reps, 1 thread")
-    print("\n| layout | density | variant | peak MiB | x sdpa | wall ms | x sdpa | CPU ms (1 thread) | x sdpa "
-          "| max abs diff vs masked |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, density, err, peaks, wall, cpu in rows:
+    threads = torch.get_num_threads()
+    print(f"# B={args.batch} H={args.heads} L={args.seq} D={args.head_dim} fp32, forward + backward, "
+          f"{args.reps} interleaved reps per thread count, medians; sparse chunk_elements={args.chunk_elements}")
+    print(f"\n| layout | density | variant | peak MiB | x sdpa | aten calls | wall ms {threads}T | x sdpa "
+          f"| CPU ms {threads}T | x sdpa | wall ms 1T | x sdpa | CPU ms 1T | x sdpa | max abs diff vs masked |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, density, err, peaks, ops, timings in rows:
         for name in VARIANTS:
-            diff = f"{err:.1e}" if name == "sparse" else ""
-            print(f"| {label} | {density:.3f} | {name} | {peaks[name] / 2**20:.1f} | "
-                  f"{peaks[name] / peaks['sdpa']:.2f} | {statistics.median(wall[name]):.0f} | "
-                  f"{_ratio(wall[name], wall['sdpa']):.2f} | {statistics.median(cpu[name]):.0f} | "
-                  f"{_ratio(cpu[name], cpu['sdpa']):.2f} | {diff} |")
-    for label, _, _, peaks, wall, cpu in rows:
+            cells = [label, f"{density:.3f}", name, f"{peaks[name] / 2**20:.1f}",
+                     f"{peaks[name] / peaks['sdpa']:.2f}", str(ops[name])]
+            for per_variant in (t for pair in timings for t in pair):
+                cells += [f"{statistics.median(per_variant[name]):.0f}",
+                          f"{_ratio(per_variant[name], per_variant['sdpa']):.2f}"]
+            cells.append(f"{err:.1e}" if name == "sparse" else "")
+            print("| " + " | ".join(cells) + " |")
+    for label, _, _, peaks, _, timings in rows:
+        (wall, _), (wall1, cpu1) = timings
         print(f"# {label}: sparse vs masked reference: memory {peaks['sparse'] / peaks['masked']:.2f}x, wall "
-              f"{_ratio(wall['sparse'], wall['masked']):.2f}x, CPU {_ratio(cpu['sparse'], cpu['masked']):.2f}x")
+              f"{_ratio(wall['sparse'], wall['masked']):.2f}x ({threads}T), "
+              f"{_ratio(wall1['sparse'], wall1['masked']):.2f}x (1T), "
+              f"CPU {_ratio(cpu1['sparse'], cpu1['masked']):.2f}x (1T)")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         bsz, heads, length, d = q.shape
         block = plan.block
         rpe_b, kpm_b, am_b = _masks(rpe, kpm, am, bsz, block)
+        biased = rpe is not None or kpm is not None or am is not None
         qb, kb, vb = _blocked(q, block), _blocked(k, block), _blocked(v, block)
         out = q.new_zeros(bsz, heads * plan.num_blocks, block * d)
         lse = q.new_full((bsz, heads * plan.num_blocks, block), float("inf"))  # +inf: the row attends nothing
@@ -147,13 +148,20 @@ class _BlockSparseAttention(torch.autograd.Function):
             (n, g), kc = c.rows.shape, c.cols.shape[1]
             s, _, _ = _scores(c, qb, kb, scale, block, rpe_b, kpm_b, kpm_mode, am_b, am_mode)
             m = s.amax(-1, keepdim=True)
-            m.masked_fill_(m == float("-inf"), 0.0)  # a row masked whole: exp(-inf - 0) = 0
+            if biased:  # only masks can leave a row nothing: then m = -inf, and 0 with exp(-inf - 0) = 0
+                m.masked_fill_(m == float("-inf"), 0.0)
             p = s.sub_(m).exp_()
             total = p.sum(-1, keepdim=True)
             values = vb.index_select(1, c.key_index).view(bsz * n, kc * block, d)
-            o = torch.bmm(p, values).div_(total.clamp_min(torch.finfo(total.dtype).tiny))
+            empty = None
+            if biased:
+                empty = total == 0
+                total.masked_fill_(empty, 1.0)  # 0 / 1: the row gives 0
+            o = torch.bmm(p, values).div_(total)
             out.index_copy_(1, c.query_index, o.view(bsz, n * g, block * d))
-            row_lse = torch.where(total > 0, m + total.log(), float("inf"))
+            row_lse = m.add_(total.log_())
+            if empty is not None:
+                row_lse.masked_fill_(empty, float("inf"))
             lse.index_copy_(1, c.query_index, row_lse.view(bsz, n * g, block))
         out = out.reshape(bsz, heads, length, d)
         ctx.save_for_backward(q, k, v, out, lse, rpe, kpm, am)
