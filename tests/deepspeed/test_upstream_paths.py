@@ -150,3 +150,26 @@ def test_tp_shard_widths() -> None:
     finally:
         tp_shard.set_num_kv_heads(None)
         tp_shard.set_tp_grain_size(1)
+
+
+def _coalesced_body() -> tuple[list[list[float]], list[list[float]]]:
+    import torch.distributed as dist
+
+    from deepspeed.runtime.comm.coalesced_collectives import all_to_all_quant_reduce, reduce_scatter_coalesced
+
+    rank = dist.get_rank()
+    inputs = [rank * torch.arange(0.0, 6.0), rank * torch.arange(6.0, 9.0), torch.zeros(1)]
+    scattered = reduce_scatter_coalesced(inputs, dist.group.WORLD)
+    grid = (rank + 1) * torch.arange(16.0).reshape(4, 4)  # 16 = 2 x 2 x world: the quantized path
+    quant = all_to_all_quant_reduce([grid, torch.ones(3)], {})
+    return [t.tolist() for t in scattered], [t.tolist() for t in quant]
+
+
+def test_coalesced_reduce_scatter_and_quantized_reduce() -> None:
+    results = run_distributed(_coalesced_body, world_size=2, timeout=90)
+    assert results[0][0] == [[0.0, 0.5, 1.0], [3.0, 3.5], [0.0]]  # averages of rank 0's slices (ceil(n/2) each)
+    assert results[1][0] == [[1.5, 2.0, 2.5], [4.0], []]
+    for rank, (_, quant) in enumerate(results):
+        expected = (1.5 * torch.arange(16.0)).reshape(2, 8)[rank]  # mean of 1x and 2x the grid, this rank's half
+        torch.testing.assert_close(torch.tensor(quant[0]), expected, atol=0.1, rtol=0.02)  # int8 codes
+        assert quant[1] == ([1.0, 1.0] if rank == 0 else [1.0])  # 1-D: the unquantized fallback
