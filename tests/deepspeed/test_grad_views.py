@@ -1,4 +1,4 @@
-"""Stage 0's gradients as bucket views (``BucketedAllReduce.prepare``) and the fused kernel behind ``torch_adam``.
+"""Stage 0's gradients as bucket views (``BucketedAllReduce``) and the fused kernel behind ``torch_adam``.
 
 The view path must give bitwise the numbers of the copy path (``ReferenceAllReduce``): fp32 and bf16, gradient
 accumulation, clipping, no_sync; and ``param.grad`` must really be the bucket's memory after the first step.
@@ -45,10 +45,10 @@ def _train(config: dict, reference: bool, no_sync_every: int) -> tuple[list[torc
                 engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
-        if not reference:
+        if not reference and engine.is_gradient_accumulation_boundary():
             views.append(all(_in_a_bucket(p.grad, engine.reducer) for p in engine.module.parameters()))
         engine.step()
-    return [p.detach().float().clone() for p in engine.module.parameters()], all(views[2:]) if views else False
+    return [p.detach().float().clone() for p in engine.module.parameters()], all(views[1:]) if views else False
 
 
 def _views_match_copies(config: dict, no_sync_every: int) -> bool:

@@ -12,13 +12,12 @@ gradients have landed, so communication overlaps the rest of backward. Buckets a
 and launched strictly in order, so every rank issues the same collectives in the same order.
 ``ReferenceAllReduce`` all-reduces each gradient on its own after backward: slow and obviously right.
 
-Gradients as bucket views (as DDP's ``gradient_as_bucket_view``): where the optimizer wrapper keeps gradients in
-``param.grad`` (``grads_in_params``) in the communication dtype, ``prepare`` (the engine calls it as a backward
-starts) points each such ``param.grad`` at its slice of the bucket, so autograd accumulates straight into the
-buffer that is all-reduced: no copy in, no copy back, and above all no fresh gradient memory per step. Freed and
-re-allocated every step (``zero_grad(set_to_none=True)``), 25 MB of gradients went back to the OS and came back
-as ~6,000 page faults per step on a 6.3M-parameter MLP (2x the step time of DDP on a loaded machine). A parameter
-becomes a view only after one dense gradient of its own dtype has landed (sparse embedding gradients never do).
+Gradients become bucket views (as DDP's ``gradient_as_bucket_view``): where the optimizer wrapper keeps gradients
+in ``param.grad`` (``grads_in_params``) in the communication dtype, the gradient hook copies autograd's fresh
+gradient into the bucket and points ``param.grad`` at that slice, so autograd's tensor is freed at once (and its
+memory reused by the next layer's) and nothing is copied back after the all-reduce. Kept until ``zero_grad`` and
+then freed together, 25 MB of gradients went back to the OS every step and came back as ~6,000 page faults on a
+6.3M-parameter MLP (2x DDP's step time on a loaded machine). Later micro-steps accumulate into the view.
 Ownership: between a bucket's launch and ``finish``'s wait, gloo's thread owns ``bucket.flat`` (and so those
 ``param.grad`` views); backward never writes them then (a second gradient for a sent bucket is an error).
 """
@@ -171,25 +170,6 @@ class BucketedAllReduce:
         self.buckets = _plan_buckets(params, wrapper, options, bucket_bytes)
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.next_launch = 0
-        self.viewable: set[torch.nn.Parameter] = set()  # params whose param.grad may be their bucket slice
-
-    def prepare(self) -> None:
-        """As a backward starts: point every viewable ``param.grad`` at its (zeroed, or filled with the gradient
-        accumulated so far) bucket slice, so this backward accumulates into the communication buffer."""
-        for bucket in self.buckets:
-            members = [(i, p) for i, p in enumerate(bucket.params) if p in self.viewable]
-            fresh = [i for i, p in members if p.grad is None]
-            if len(fresh) == len(bucket.params):
-                bucket.flat.zero_()
-            else:
-                for i in fresh:
-                    bucket.slice(i).zero_()
-            for i, p in members:
-                view = bucket.slice(i).view(p.shape)
-                if p.grad is not None and not _is_view_of(p.grad, view):
-                    view.copy_(p.grad)
-                if p.grad is None or not _is_view_of(p.grad, view):
-                    p.grad = view
 
     def grad_ready(self, param: torch.nn.Parameter) -> None:
         """Copy ``param``'s gradient into its bucket; launch every bucket that is complete, in order."""
@@ -216,8 +196,8 @@ class BucketedAllReduce:
         elif not _is_view_of(grad, target):
             target.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
             if (getattr(self.wrapper, "grads_in_params", False) and grad is param.grad and not grad.is_sparse
-                    and grad.dtype == target.dtype and param.is_contiguous() and param.numel() > 0):
-                self.viewable.add(param)
+                    and grad.dtype == target.dtype and param.is_contiguous()):
+                param.grad = target.view(param.shape)  # autograd's own tensor is freed now, not at zero_grad
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.options.pre_factor != 1.0:
@@ -253,10 +233,6 @@ class GroupedReducer:
         self.reducers = [reducer for _, reducer in reducers]
         self.owner = {p: reducer for params, reducer in reducers for p in params}
         self.every_micro_step = any(r.every_micro_step for r in self.reducers)
-
-    def prepare(self) -> None:
-        for reducer in self.reducers:
-            reducer.prepare()
 
     def grad_ready(self, param: torch.nn.Parameter) -> None:
         self.owner[param].grad_ready(param)

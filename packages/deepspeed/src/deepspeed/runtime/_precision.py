@@ -61,7 +61,7 @@ class FP32Optimizer(LossScaledWrapper):
     """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
 
     grads_in_params = True
-    """Gradients live in ``param.grad`` (the reducer may make them views of its buckets, see ``_grad_reduce``)."""
+    """Gradients live in ``param.grad`` (the reducer may point them at its buckets, see ``_grad_reduce``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
                  dp_group: Any = None, check_overflow: bool = False, norm_scope: NormScope = LOCAL) -> None:

@@ -228,9 +228,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                                "use engine.backward(loss), or engine.scale(loss).backward()")
         self._in_backward = True
         self._syncing = self._should_sync()
-        prepare = getattr(self.reducer, "prepare", None)
-        if prepare is not None:  # gradients accumulate straight into the reducer's buckets (see _grad_reduce)
-            prepare()
         if not self._engine_backward:  # a direct loss.backward(): finish when autograd's graph task ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
