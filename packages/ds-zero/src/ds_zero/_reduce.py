@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ds_zero._flat_group import FlatGroup
 from ds_zero.collectives import TORCH, Collectives
 
-AUTOCAST_COMM_DTYPE_ATTR = "_ds_autocast_comm_dtype"  # set by deepspeed.runtime.torch_autocast.init_autocast_params
+AUTOCAST_COMM_DTYPE_ATTR = "comm_dtype"  # set by deepspeed.runtime.torch_autocast.init_autocast_params
 
 
 @dataclass(frozen=True)

@@ -244,3 +244,13 @@ def _checkpointing(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
             "checkpoint_config": {"tag_validation": mode, "checkpoint_serialization": ckpt.checkpoint_serialization,
                                   "writer": None if ckpt.writer is None else ckpt.writer.model_dump()},
             "nebula_config": typed.nebula, "weight_quantization_config": typed.weight_quantization}
+
+
+def get_gradient_clipping(param_dict: Mapping[str, Any]) -> float:
+    """The raw config dict's ``gradient_clipping`` (0.0, no clipping, when absent)."""
+    return param_dict.get(GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT)  # noqa: F405 - from runtime.constants
+
+
+def get_log_level(param_dict: Mapping[str, Any]) -> str | None:
+    """The raw config dict's ``log_level`` (None when absent: the logger keeps its level)."""
+    return param_dict.get(LOG_LEVEL, LOG_LEVEL_DEFAULT)  # noqa: F405

@@ -252,3 +252,7 @@ PIPE_REPLICATED = "ds_pipe_replicated"
 
 DATA_PARALLEL_GROUP = "data_parallel_group"
 GLOBAL_RANK = "global_rank"
+
+# the top-level "log_level" key (DeepSpeed's logger level name; None: leave the logger as it is)
+LOG_LEVEL = "log_level"
+LOG_LEVEL_DEFAULT = None

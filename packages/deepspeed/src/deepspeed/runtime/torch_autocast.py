@@ -17,7 +17,9 @@ import torch
 
 from deepspeed.utils import logger
 
-_AUTOCAST_DTYPE_ATTR = "_ds_autocast_comm_dtype"
+PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
+"""The parameter attribute holding its gradient-communication dtype under torch_autocast (DeepSpeed's name)."""
+_AUTOCAST_DTYPE_ATTR = PARAM_COMM_DTYPE_ATTR_NAME
 _state = {"initialized": False, "nested_info": False, "nested_warning": False}
 
 
@@ -57,6 +59,16 @@ def init_autocast_params(engine: Any, dtype: torch.dtype,
 def is_autocast_initialized() -> bool:
     """True once ``init_autocast_params`` has run in this process."""
     return _state["initialized"]
+
+
+def has_comm_dtype(param: torch.nn.Parameter) -> bool:
+    """Whether ``init_autocast_params`` gave ``param`` a communication dtype."""
+    return hasattr(param, PARAM_COMM_DTYPE_ATTR_NAME)
+
+
+def get_comm_dtype(param: torch.nn.Parameter) -> torch.dtype:
+    """``param``'s communication dtype (its own dtype when autocast did not mark it)."""
+    return getattr(param, PARAM_COMM_DTYPE_ATTR_NAME, param.dtype)
 
 
 def autocast_comm_dtypes(params: list[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.dtype]:

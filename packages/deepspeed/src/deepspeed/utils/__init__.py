@@ -10,7 +10,7 @@ so ``import deepspeed`` stays free of torch.
 from typing import Any
 
 from deepspeed._compat import submodule_getattr
-from deepspeed.utils.logging import log_dist, logger
+from deepspeed.utils.logging import get_log_level_from_string, log_dist, logger, set_log_level_from_string
 
 _ZERO_DEBUG = (
     "safe_get_full_fp32_param",
@@ -31,7 +31,8 @@ _ZERO_DEBUG = (
 _Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
             "z3_leaf_parameter", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 
-__all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger", *_ZERO_DEBUG, *_Z3_LEAF]
+__all__ = ["OnDevice", "RepeatingLoader", "get_log_level_from_string", "log_dist", "logger",
+           "set_log_level_from_string", *_ZERO_DEBUG, *_Z3_LEAF]
 
 
 def __getattr__(name: str) -> Any:

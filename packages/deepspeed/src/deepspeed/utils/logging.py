@@ -95,3 +95,20 @@ def should_log_le(max_log_level_str: str) -> bool:
     if name not in log_levels:
         raise ValueError(f"should_log_le: {max_log_level_str!r} is not a log level; choose one of {sorted(log_levels)}")
     return get_current_level() <= log_levels[name]
+
+
+def get_log_level_from_string(log_level_str: str) -> int:
+    """``"info"`` -> ``logging.INFO`` (case-insensitive); an unknown name is an error listing the accepted ones."""
+    name = log_level_str.lower()
+    if name not in log_levels:
+        raise ValueError(f"{log_level_str!r} is not a log level; choose one of {sorted(log_levels)}")
+    return log_levels[name]
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """Set ``custom_logger`` (default: DeepSpeed's logger) and its handlers to the named level."""
+    target = logger if custom_logger is None else custom_logger
+    level = get_log_level_from_string(log_level_str)
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
