@@ -283,7 +283,7 @@ DEFAULT_PATHS = {
     "LOAD_UNIVERSAL_CHECKPOINT_DEFAULT": "checkpoint.load_universal",
     "USE_NODE_LOCAL_STORAGE_CHECKPOINT_DEFAULT": "checkpoint.use_node_local_storage",
     "CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT": "checkpoint.parallel_write.pipeline_stage",
-    "GRAD_ACCUM_DTYPE_DEFAULT": "data_types.grad_accum_dtype",
+    "GRAD_ACCUM_DTYPE_DEFAULT": "data_types.grad_accum_dtype", "LOG_LEVEL_DEFAULT": "log_level",
 }
 DEFAULT_PATHS.update({f"EIGENVALUE_{k.upper()}_DEFAULT": f"eigenvalue.{k}"
                       for k in ds_config.EigenvalueConfig.model_fields})
