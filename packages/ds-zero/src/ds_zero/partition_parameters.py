@@ -27,6 +27,14 @@ class ZeroParamType(Enum):
     REMOTE = 3
 
 
+def get_allgather_dtype(param: Any, param_ds_tensor: Any) -> Any:
+    """The dtype ``param``'s partitions travel in when gathered: its torch_autocast communication dtype when it has
+    one, else its partition's own dtype."""
+    from ds_zero._reduce import AUTOCAST_COMM_DTYPE_ATTR
+
+    return getattr(param, AUTOCAST_COMM_DTYPE_ATTR, param_ds_tensor.dtype)
+
+
 class MultipleAllGatherHandles:
     """Several in-flight all-gathers (one per process group of a fetch) waited as one handle."""
 
@@ -40,6 +48,7 @@ class MultipleAllGatherHandles:
 __all__ = [
     "GatheredParameters",
     "MultipleAllGatherHandles",
+    "get_allgather_dtype",
     "ZeroParamType",
     "partitioned_param_data_shape",
     "Init",

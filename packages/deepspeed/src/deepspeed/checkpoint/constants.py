@@ -16,6 +16,8 @@ ZERO_STAGE = "zero_stage"
 CLIP_GRAD = "clip_grad"
 LOSS_SCALER = "loss_scaler"
 FP32_WEIGHT_KEY = "fp32"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 
 # ---- keys of a model-states file and of one universal-checkpoint parameter file
 PARAM = "param"

@@ -66,6 +66,36 @@ class OpBuilder:
         if self.simd_level not in _cpu.SIMD_LEVELS:
             raise ValueError(f"simd_level={simd_level!r} is unknown; accepted: {', '.join(_cpu.SIMD_LEVELS)}")
 
+    # ---- toolchain probes (DeepSpeed's static methods; clients branch on them) ----------------------
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        """Whether this torch is a ROCm (HIP) build."""
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+
+    @staticmethod
+    def installed_rocm_version() -> tuple[int, int]:
+        """``(major, minor)`` of the ROCm torch was built with; ``(0, 0)`` for a CUDA or CPU build."""
+        import torch
+
+        hip = getattr(torch.version, "hip", None)
+        if not hip:
+            return (0, 0)
+        major, minor, *_ = [*hip.split("."), "0", "0"]
+        return (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0))
+
+    @staticmethod
+    def installed_cuda_version() -> tuple[int, int]:
+        """``(major, minor)`` of the CUDA torch was built with; ``(0, 0)`` for a CPU or ROCm build."""
+        import torch
+
+        cuda = torch.version.cuda
+        if not cuda:
+            return (0, 0)
+        major, minor, *_ = [*cuda.split("."), "0"]
+        return (int(major), int(minor))
+
     # ---- identity -------------------------------------------------------------------------------
     @property
     def name(self) -> str:
