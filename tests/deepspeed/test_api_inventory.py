@@ -7,7 +7,8 @@ Entries of a feature not built yet are strict xfails (one that starts working mu
 with an error naming the feature; ``pending`` entries are non-strict xfails (work in flight).
 
 The README states how many entries are present; ``test_readme_states_the_current_count`` keeps it true. Print the
-summary, or rewrite the README line after a change: ``python tests/deepspeed/test_api_inventory.py [--update-readme]``.
+summary, or rewrite the README line after a change (the test environment: it imports pytest):
+``bash scripts/hatch run test:python tests/deepspeed/test_api_inventory.py [--update-readme]``.
 """
 
 from __future__ import annotations
@@ -334,7 +335,8 @@ def test_readme_states_the_current_count():
     found = README_LINE.search(README.read_text())
     assert found, f"README.md lacks the line {line!r}"
     assert found.group(0) == line, (f"README.md says {found.group(0)!r}; the inventory's state is {line!r} "
-                                    "(python tests/deepspeed/test_api_inventory.py --update-readme)")
+                                    "(bash scripts/hatch run test:python tests/deepspeed/test_api_inventory.py "
+                                    "--update-readme)")
 
 
 def main(argv: list[str]) -> int:
