@@ -173,3 +173,13 @@ def test_coalesced_reduce_scatter_and_quantized_reduce() -> None:
         expected = (1.5 * torch.arange(16.0)).reshape(2, 8)[rank]  # mean of 1x and 2x the grid, this rank's half
         torch.testing.assert_close(torch.tensor(quant[0]), expected, atol=0.1, rtol=0.02)  # int8 codes
         assert quant[1] == ([1.0, 1.0] if rank == 0 else [1.0])  # 1-D: the unquantized fallback
+
+
+def test_env_report_prints_ops_and_environment(capsys) -> None:
+    import deepspeed.env_report as env_report
+
+    env_report.cli_main([])
+    out = capsys.readouterr().out
+    assert "cpu_adam" in out and "torch version" in out
+    env_report.cli_main(["--hide_operator_status"])
+    assert "cpu_adam" not in capsys.readouterr().out
