@@ -106,7 +106,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
 def extensions_dir(python: str) -> str:
     """Real DeepSpeed's JIT-built ops (its CPU shared-memory comm op, CPU Adam, ...) in a folder of its venv, clear
     of other users' torch_extensions; a lock left there by a killed build (over 20 minutes old) is removed."""
-    folder = Path(python).resolve().parent.parent / "torch_extensions"
+    folder = Path(os.path.abspath(python)).parent.parent / "torch_extensions"  # the venv's, not its base's
     folder.mkdir(exist_ok=True)
     for lock in folder.glob("*/*/lock"):
         if time.time() - lock.stat().st_mtime > 1200:
