@@ -84,12 +84,11 @@ def make_plan(layout: torch.Tensor, block: int, device: torch.device | str = "cp
     keep = layout.detach().to("cpu").bool()
     groups = []
     for head in range(keep.shape[0]):
-        by_cols: dict[tuple[int, ...], list[int]] = {}
-        for row, cols in enumerate(keep[head].tolist()):
-            cols = tuple(c for c, kept in enumerate(cols) if kept)
+        patterns, which = torch.unique(keep[head], dim=0, return_inverse=True)
+        for index, pattern in enumerate(patterns):
+            cols = tuple(pattern.nonzero().flatten().tolist())
             if cols:
-                by_cols.setdefault(cols, []).append(row)
-        groups += [_Group(head, tuple(rows), cols) for cols, rows in by_cols.items()]
+                groups.append(_Group(head, tuple((which == index).nonzero().flatten().tolist()), cols))
     return BlockPlan(keep.shape[0], keep.shape[1], block, tuple(groups), torch.device(device))
 
 
