@@ -3,7 +3,8 @@
 ``python -m deepspeed.launcher.launch ... tests/faults/_job.py WORK FAULT PHASE VICTIM``
 
 It trains a ZeRO-1 MLP for 2 steps, saves tag ``good`` (and each rank's module state to ``WORK/good_r<R>.pt``
-for the verifier), then, on step 3 (or in the next save/load), rank ``VICTIM`` hits the fault:
+for the verifier), meets the other rank, and 1 s later (so the other rank is already waiting in that phase),
+on step 3 (or in the next save/load), rank ``VICTIM`` hits the fault:
 
 - ``FAULT=sigkill``, ``PHASE`` in forward | backward | step | save | load: the victim SIGKILLs itself there;
 - ``FAULT=sigstop``, same phases: the victim SIGSTOPs itself (a stall; only the process-group timeout helps).
@@ -106,7 +107,9 @@ def main(work: str, kind: str, phase: str, victim: int) -> None:
     train(engine, 2)
     engine.save_checkpoint(os.path.join(work, "ckpt"), tag="good")
     torch.save(engine.module.state_dict(), os.path.join(work, f"good_r{rank}.pt"))
-    if rank == victim:
+    torch.distributed.barrier()
+    if rank == victim:  # let the other rank finish the save's last store calls and wait in the faulty phase
+        time.sleep(1.0)
         arm(engine, phase, Fault(work, kind))
     try:
         if phase == "save":

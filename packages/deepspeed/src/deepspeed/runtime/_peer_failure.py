@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import torch
@@ -68,6 +69,17 @@ def is_transport_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _TRANSPORT_MARKS)
 
 
+def _settled_state(pid: int, wait_s: float = 1.0) -> str:
+    """The peer's state once a dying process has had ``wait_s`` to finish dying: its connections close while it
+    exits, so the survivor can look a few milliseconds before the process leaves the running state."""
+    deadline = time.monotonic() + wait_s
+    state = _process_state(pid)
+    while state.startswith("is alive") and time.monotonic() < deadline:
+        time.sleep(0.02)
+        state = _process_state(pid)
+    return state
+
+
 def _process_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
@@ -93,7 +105,7 @@ def _peer_line(store, rank: int, me: str) -> str:
             raised = f", and it raised in {store.get(_ERROR_KEY.format(rank)).decode()}"
     if host != me:
         return f"rank {rank} (pid {pid} on {host}): on another host, state not visible from here{raised}"
-    return f"rank {rank} (pid {pid}) {_process_state(int(pid))}{raised}"
+    return f"rank {rank} (pid {pid}) {_settled_state(int(pid))}{raised}"
 
 
 def peer_report() -> str:
