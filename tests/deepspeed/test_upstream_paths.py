@@ -183,3 +183,15 @@ def test_env_report_prints_ops_and_environment(capsys) -> None:
     assert "cpu_adam" in out and "torch version" in out
     env_report.cli_main(["--hide_operator_status"])
     assert "cpu_adam" not in capsys.readouterr().out
+
+
+def test_op_builder_builder_module() -> None:
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from deepspeed.ops.op_builder.builder import MissingCUDAException, OpBuilder, installed_cuda_version
+
+    assert issubclass(CPUAdamBuilder, OpBuilder)  # one class identity whichever path imports it
+    if getattr(torch.version, "hip", None) is None:
+        assert OpBuilder.installed_rocm_version() == (0, 0) and not OpBuilder.is_rocm_pytorch()
+    if torch.version.cuda is None and not os.environ.get("CUDA_HOME"):
+        with pytest.raises(MissingCUDAException, match="nvcc"):
+            installed_cuda_version("probe")
