@@ -71,6 +71,12 @@ if ! PYTHONPATH="$extras" "$python" -c "import cpuinfo, hjson, mup" >/dev/null 2
 fi
 export PYTHONPATH="$root/scripts:$extras${PYTHONPATH:+:$PYTHONPATH}"
 
+# A JIT build killed mid-way (a file killed at the limit while real DeepSpeed compiled an op) leaves torch's
+# extension lock behind, and every later build of that op waits on it forever: say so up front.
+for lock in "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*/*/lock; do
+  [ -e "$lock" ] && echo "upstream-tests: warning: $lock exists; if no build is running, delete it (a" \
+    "killed JIT build leaves it, and later builds of that op wait on it forever)" >&2
+done
 cd "$work/tests"
 imported="$("$python" -c "import sys; sys.path.insert(1, '..'); import deepspeed; print(deepspeed.__file__)")"
 case "$imported" in "$work"*|"$checkout"*)
