@@ -69,13 +69,19 @@ def _stage_builder(stage: int) -> StageBuilder:
 
 
 def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -> torch.nn.Module:
-    """Move ``module`` to ``device`` and cast it to the training dtype (fp16/bf16 weights; fp32 otherwise)."""
+    """Move ``module`` to ``device`` and cast its floating-point parameters to the training dtype (fp16/bf16).
+
+    Buffers keep the dtype they were loaded with (fp32 BatchNorm statistics, rotary ``inv_freq``), as DeepSpeed
+    0.19.6+ does; ``data_types.buffer_dtype`` casts them (``_engine_setup.cast_buffers``)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"deepspeed.initialize: model must be a torch.nn.Module, got {type(module).__name__}")
     module.to(device)
     low = _LOW_DTYPES.get(config.precision)
     if low is not None:
-        module.to(low)
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.is_floating_point() and param.dtype != low:
+                    param.data = param.data.to(low)
     return module
 
 
