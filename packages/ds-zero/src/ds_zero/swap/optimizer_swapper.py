@@ -23,6 +23,9 @@ finishes that write. The tensors ``step`` returns must be its own buffers (or ne
 until the write is waited for). ``fast_init`` writes each master from a pool buffer that returns to the pool
 only after the writer's wait. The gradient file is read and written synchronously (no buffer of the pool).
 After a failure every handle is waited for before the buffers are reclaimed.
+
+Every read is checked against the CRC32 of what was written to that file (:mod:`ds_zero.swap._checksum`): a
+sub-group's buffers are verified right after the reader's wait, before ``step`` may see them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from ds_ops.aio import AioError
+from ds_zero.swap._checksum import SwapChecksums
 from ds_zero.swap._folder import annotate, cleanup_on_exit, close_handles, make_swap_folder, new_handle
 from ds_zero.swap.buffer_pool import BufferPool
 
@@ -91,6 +95,8 @@ class OptimizerSwapper:
         self.numels: dict[int, int] = {}
         self.grads: set[int] = set()  # sub-groups whose gradient partition is on NVMe too
         self.stats = SwapStats()
+        self.checksums = SwapChecksums(rank)
+        self._unverified: list[tuple[str, torch.Tensor, str]] = []  # reads in flight on the reader
 
     @property
     def pool(self) -> BufferPool:
@@ -114,6 +120,7 @@ class OptimizerSwapper:
                     os.posix_fallocate(fd, 0, numel * 4)
             finally:
                 os.close(fd)
+            self.checksums.forget(path)
         except OSError as exc:
             raise AioError("reserve gradient swap file", path, exc.errno,
                            f"cannot reserve {numel * 4} bytes: {exc.strerror}") from None
@@ -121,9 +128,10 @@ class OptimizerSwapper:
 
     def write_grad(self, i: int, offset: int, value: torch.Tensor) -> None:
         """Write ``value`` (fp32) at element ``offset`` of sub-group ``i``'s gradient file, and wait."""
-        start = time.perf_counter()
+        start, value = time.perf_counter(), value.contiguous()
+        self.checksums.record(self.path(i, GRAD), value, offset * 4, whole_file=False)
         try:
-            self.writer.sync_pwrite(value.contiguous(), self.path(i, GRAD), offset * 4, whole_file=False)
+            self.writer.sync_pwrite(value, self.path(i, GRAD), offset * 4, whole_file=False)
         except AioError as exc:
             raise annotate(exc, f"swap out gradient of optimizer sub-group {i}") from None
         self.stats.grad_write_bytes += value.numel() * 4
@@ -137,6 +145,7 @@ class OptimizerSwapper:
             self.reader.sync_pread(out, self.path(i, GRAD), offset * 4)
         except AioError as exc:
             raise annotate(exc, f"swap in gradient of optimizer sub-group {i}") from None
+        self.checksums.verify(self.path(i, GRAD), out, offset * 4, f"swap in gradient of optimizer sub-group {i}")
         self.stats.grad_read_bytes += numel * 4
         self.stats.grad_read_s += time.perf_counter() - start
         return out
@@ -275,6 +284,7 @@ class OptimizerSwapper:
             except AioError as exc:
                 self._abort(t)
                 raise annotate(exc, f"swap in optimizer sub-group {i} ({name})") from None
+            self._unverified.append((path, t, f"swap in optimizer sub-group {i} ({name})"))
             self.stats.read_bytes += t.numel() * t.element_size()
 
     def _start_writes(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -289,9 +299,11 @@ class OptimizerSwapper:
                                  f"master float32 x {numel}")
             path = self.path(i, name)
             self._begin(t, self.writer, f"write of {os.path.basename(path)}")
+            src = t.contiguous()
+            self.checksums.record(path, src)
             try:
                 # a file of this size exists: overwrite it (see the module docstring); else create it whole
-                self.writer.async_pwrite(t.contiguous(), path, whole_file=name not in on_disk)
+                self.writer.async_pwrite(src, path, whole_file=name not in on_disk)
             except AioError as exc:
                 self._abort(t)
                 raise annotate(exc, f"swap out optimizer sub-group {i} ({name})") from None
@@ -313,6 +325,10 @@ class OptimizerSwapper:
                 self.stats.write_s += spent
             else:
                 self.stats.read_s += spent
+            pending = [] if handle is not self.reader else self._unverified
+            self._unverified = self._unverified if handle is not self.reader else []
+        for path, t, done in pending:  # read and waited for: the bytes must be those that were written
+            self.checksums.verify(path, t, what=done)
 
     def close(self) -> None:
         """Finish pending I/O, free the buffers and delete the swap files."""

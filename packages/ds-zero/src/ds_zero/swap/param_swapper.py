@@ -17,6 +17,9 @@ makes the partition ``resident``, whose buffer ``install`` may then point ``ds_t
 back to the pool when the partition is released, or after a failed read only once the reader was waited for.
 Writes never go from a pool buffer: their source (``value``) is kept referenced until ``flush`` waits for the
 writer, and a second write of one file first flushes the one in flight.
+
+Every read is checked against the CRC32 of what was written to that file (:mod:`ds_zero.swap._checksum`)
+after the reader's wait, before the partition becomes resident; a mismatch fails the batch as a failed read does.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from ds_ops.aio import AioError, page_aligned_empty
+from ds_zero.swap._checksum import SwapChecksums, SwapCorruptionError
 from ds_zero.swap._folder import annotate, cleanup_on_exit, close_handles, make_swap_folder, new_handle
 from ds_zero.swap.buffer_pool import BufferPool
 
@@ -66,6 +70,7 @@ class ParamSwapper:
         self._on_disk: dict[int, int] = {}  # ds_id -> bytes of its file: rewrites of that size go in place
         self._writing: set[int] = set()  # ds_ids with a write in flight
         self.read_bytes = self.write_bytes = 0
+        self.checksums = SwapChecksums(rank)
 
     def path(self, param: Any) -> str:
         return os.path.join(self.folder, f"{param.ds_id}_param.tensor.swp")
@@ -156,6 +161,9 @@ class ParamSwapper:
     def _wait_reads(self) -> None:
         try:
             self.reader.wait()
+            for param, _ in self.reading.values():
+                self.checksums.verify(self.path(param), param.ds_swap_view,
+                                      what=f"swap in parameter partition {param.ds_id}")
         except AioError as exc:
             self._settle_reads()
             # none of the buffers read in this batch may be installed later as if it held the partition: they go
@@ -163,6 +171,8 @@ class ParamSwapper:
             failed, self.reading = list(self.reading.values()), {}
             for param, buffer in failed:
                 self._give_back(param, buffer)
+            if isinstance(exc, SwapCorruptionError):
+                raise
             raise annotate(exc, "swap in parameter partitions") from None
         self._settle_reads()
         self.resident.update(self.reading)
@@ -208,6 +218,7 @@ class ParamSwapper:
             self.reader.sync_pread(out, self.path(param))
         except AioError as exc:
             raise annotate(exc, f"read parameter partition {param.ds_id}") from None
+        self.checksums.verify(self.path(param), out, what=f"read parameter partition {param.ds_id}")
         self.read_bytes += out.numel() * out.element_size()
         return out
 
@@ -240,6 +251,7 @@ class ParamSwapper:
         in_place = self._on_disk.get(param.ds_id) == nbytes
         if param.ds_id in self._writing:  # two in-place writes of one file in flight could interleave blocks
             self.flush()
+        self.checksums.record(self.path(param), value)
         try:
             self.writer.async_pwrite(value, self.path(param), whole_file=not in_place)
         except AioError as exc:
