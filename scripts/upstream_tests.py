@@ -90,9 +90,11 @@ def read_file_result(results: Path, name: str) -> FileResult:
     res = FileResult(name)
     status: dict[str, str] = {}
     status_path = stem.with_suffix(".status")
-    if not status_path.exists():
+    if not status_path.exists() and not stem.with_suffix(".events").exists():
         res.note = "not run"
         return res
+    if not status_path.exists():
+        status["interrupted"] = "1"  # the run was stopped while this file ran: keep what finished
     if status_path.exists():
         for line in status_path.read_text().splitlines():
             key, _, value = line.partition("=")
@@ -112,7 +114,9 @@ def read_file_result(results: Path, name: str) -> FileResult:
         elif parts[0] == "end":
             finished.add(parts[2])
             setattr(res, parts[1], getattr(res, parts[1]) + 1)
-    if status.get("timed_out") == "1" or status.get("pytest_exit") == "1":
+    if status.get("interrupted") == "1":
+        res.note = f"run stopped during this file ({len(finished)} of {res.collected} tests finished)"
+    elif status.get("timed_out") == "1" or status.get("pytest_exit") == "1":
         res.hung_tests = [t for t in started if t not in finished]
         res.hung = len(res.hung_tests) or 1
         if not res.note:
@@ -142,20 +146,26 @@ def table(rows: list[FileResult], markdown: bool) -> str:
     return _render(head, body, markdown)
 
 
+def _cells(r: FileResult) -> list[str]:
+    return [str(r.collected), str(r.passed), str(r.failed), str(r.skipped), str(r.hung)]
+
+
 def compare(ours: list[FileResult], real: list[FileResult], markdown: bool, labels: tuple[str, str]) -> str:
+    """One row per file of ``ours``: collected / passed / failed / skipped / hung on both sides, and the notes."""
     by_name = {r.name: r for r in real}
     a, b = labels
-    head = ["file", *(f"{a} {c}" for c in ("pass", "fail", "skip", "hung")),
-            *(f"{b} {c}" for c in ("pass", "fail", "skip", "hung")), f"{a} note"]
+    cols = ("coll", "pass", "fail", "skip", "hung")
+    head = ["file", *(f"{a} {c}" for c in cols), *(f"{b} {c}" for c in cols), f"{a} note", f"{b} note"]
     body = []
     for r in ours:
         o = by_name.get(r.name, FileResult(r.name, note="not run"))
-        body.append([r.name, *(str(getattr(r, c)) for c in ("passed", "failed", "skipped", "hung")),
-                     *(str(getattr(o, c)) for c in ("passed", "failed", "skipped", "hung")), r.note[:90]])
-    ta, tb = _totals(ours), _totals([by_name[r.name] for r in ours if r.name in by_name])
-    body.append(["total", *(str(ta[c]) for c in ("passed", "failed", "skipped", "hung")),
-                 *(str(tb[c]) for c in ("passed", "failed", "skipped", "hung")),
-                 f"{ta['import_errors']} ({b}: {tb['import_errors']}) files stop at import"])
+        body.append([r.name, *_cells(r), *_cells(o), r.note[:80], o.note[:80]])
+    both = [r for r in ours if r.note != "not run" and by_name.get(r.name, FileResult("", note="not run")).note
+            != "not run"]
+    ta, tb = _totals(both), _totals([by_name[r.name] for r in both])
+    body.append([f"total, the {len(both)} files both ran", *(str(ta[c]) for c in COLUMNS),
+                 *(str(tb[c]) for c in COLUMNS), f"{ta['import_errors']} stop at import",
+                 f"{tb['import_errors']} stop at import"])
     return _render(head, body, markdown)
 
 
