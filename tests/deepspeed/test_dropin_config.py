@@ -316,6 +316,9 @@ def test_default_constants_equal_the_schema_defaults(name):
     if name == "CHECKPOINT_TAG_VALIDATION_DEFAULT":  # DeepSpeed upper-cases the mode; the schema capitalises it
         assert value == schema.upper() and value in C.CHECKPOINT_TAG_VALIDATION_MODES
         return
+    if name == "BFLOAT16_IMMEDIATE_GRAD_UPDATE_DEFAULT":  # DeepSpeed 0.19.6 too: a stale True, the schema's False
+        assert value is True and schema is False
+        return
     assert value == schema, (name, value, schema)
     assert type(value) is type(schema) or {type(value), type(schema)} == {int, float}  # 0 for 0.0, never False
 

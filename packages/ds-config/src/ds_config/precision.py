@@ -57,8 +57,9 @@ class BF16Config(DSConfigModel):
 
     enabled: Bool = False
     """Enable bfloat16 mixed-precision training."""
-    immediate_grad_update: Bool = True
-    """Apply gradients to the fp32 master copy as soon as they are reduced (saves a gradient buffer)."""
+    immediate_grad_update: Bool = False
+    """Apply gradients to the fp32 master copy as soon as they are reduced (saves a gradient buffer). False as in
+    DeepSpeed 0.19.6's schema (its ``constants.BFLOAT16_IMMEDIATE_GRAD_UPDATE_DEFAULT`` still says True, unused)."""
     check_grad_overflow: Bool = True
     """Check bf16 gradients for inf/nan and skip the step when found (DeepSpeed 0.19's default: without it one
     NaN gradient silently turns every weight into NaN)."""

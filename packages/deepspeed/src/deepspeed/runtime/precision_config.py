@@ -34,7 +34,7 @@ BFLOAT16_FORMAT = """
 BFLOAT16 parameters should be of the format:
 "bf16": {
   "enabled": true,
-  "immediate_grad_update": true,
+  "immediate_grad_update": false,
   "check_grad_overflow": true
 }
 """
