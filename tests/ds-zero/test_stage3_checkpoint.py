@@ -78,9 +78,18 @@ def test_layout_is_deepspeeds_stage3(saved):
                                               "head.bias"]
     assert model["frozen_param_fragments"]["frozen.weight"].shape == (72,)
     assert model["shared_params"] == {"back.weight": "mid.weight"}
-    optim = torch.load(os.path.join(save_dir, "t3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"), weights_only=True)
+    # DeepSpeed's ZeRO-3 load takes its loss scaler object from the file (as DeepSpeed's own files hold one)
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler]):
+        optim = torch.load(os.path.join(save_dir, "t3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                           weights_only=True)
     sd = optim["optimizer_state_dict"]
     assert sd["zero_stage"] == 3 and sd["partition_count"] == 2
+    # every key DeepSpeed's ZeRO-3 load reads without a default
+    assert type(sd["loss_scaler"]) is LossScaler and sd["loss_scaler"].cur_scale == 1.0
+    assert sd["dynamic_loss_scale"] is False and sd["overflow"] is False
+    assert {"state", "param_groups"} <= set(sd["optimizer_state_dict"]) and "ds_version" in optim
     # 36 + 6 + 72 + 6 + 18 + 2: every parameter's ceil(numel / 2) slice, back to back
     assert [t.shape for t in sd["fp32_flat_groups"]] == [(140,)]
 

@@ -198,9 +198,16 @@ def _check_files(save_dir, world: int, stage: int, prefix: str = "") -> None:
     assert set(model["module"]) == {*trainable, "frozen.weight", "frozen.bias", "back.weight", "scale"}
     psi = sum(torch.Size(s).numel() for s in trainable.values())
     parts = []
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
     for r in range(world):
-        sd = torch.load(tag_dir / optim[r], weights_only=True)["optimizer_state_dict"]
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler]):  # fp16: DeepSpeed's scaler object
+            sd = torch.load(tag_dir / optim[r], weights_only=True)["optimizer_state_dict"]
         assert sd["zero_stage"] == stage and sd["partition_count"] == [world]
+        # DeepSpeed's load takes the file's scaler as its own: its object, absent when nothing scales
+        fp16 = model["ds_config"].get("fp16", {}).get("enabled", False)
+        scaler = sd.get("loss_scaler")
+        assert (type(scaler) is DynamicLossScaler and scaler.scale_window > 0) if fp16 else scaler is None
         (part,) = sd["single_partition_of_fp32_groups"]
         assert part.dtype == torch.float32
         parts.append(part.numel())

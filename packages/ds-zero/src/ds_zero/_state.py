@@ -26,7 +26,8 @@ BASE_STATE = "base_optimizer_state"
 def partitioned_state_dict(opt: Any) -> dict[str, Any]:
     """This rank's share of the optimizer state (``opt``: a ``DeepSpeedZeroOptimizer``)."""
     scaler = opt.loss_scaler
-    state = {} if scaler is None else {"loss_scaler": scaler.state_dict()}  # DeepSpeed reads a present key
+    # DeepSpeed's stage 1/2 load keeps its own scaler when the key is absent (no scaling: nothing to restore)
+    state = {} if scaler is None else {"loss_scaler": loss_scaler_description(scaler)}
     return {
         **state,
         "dynamic_loss_scale": bool(scaler is not None and hasattr(scaler, "scale_window")),
@@ -40,6 +41,15 @@ def partitioned_state_dict(opt: Any) -> dict[str, Any]:
         "zero_layout": [{"names": list(fg.names), "numels": list(fg.layout.numels),
                          "alignment": fg.layout.alignment} for fg in opt.groups],
     }
+
+
+def loss_scaler_description(scaler: Any) -> dict[str, Any] | None:
+    """The scaler's state and settings as plain values (``None``: no scaling). The engine's save turns it into
+    the scaler object DeepSpeed pickles under ``loss_scaler`` (its loaders use that object as their scaler)."""
+    if scaler is None:
+        return None
+    settings = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    return {**settings, **scaler.state_dict()}
 
 
 def _check(opt: Any, states: Sequence[dict[str, Any]]) -> None:

@@ -33,6 +33,8 @@ def _plain_loss_scaler(value: Any) -> dict[str, Any] | None:
     if value is None or isinstance(value, dict):
         return value
     state = getattr(value, "state", None)
+    if state is None and hasattr(value, "cur_scale"):  # an object built (an allowlisted class), not a placeholder
+        state = vars(value)
     if isinstance(state, dict):
         keys = ("cur_scale", "cur_hysteresis", "cur_iter", "last_overflow_iter")
         return {k: state[k] for k in keys if k in state}

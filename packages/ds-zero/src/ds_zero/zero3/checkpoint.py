@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ds_zero._state import _load_in_place
+from ds_zero._state import _load_in_place, loss_scaler_description
 from ds_zero.zero3._param import partition_numel
 
 FP32_GROUPS = "fp32_flat_groups"
@@ -23,9 +23,8 @@ BASE_STATE = "optimizer_state_dict"
 
 def stage3_state_dict(opt: Any) -> dict[str, Any]:
     scaler = opt.loss_scaler
-    state = {} if scaler is None else {"loss_scaler": scaler.state_dict()}
     return {
-        **state,
+        "loss_scaler": loss_scaler_description(scaler),  # DeepSpeed's ZeRO-3 load requires the key
         "zero_stage": 3,
         "dynamic_loss_scale": bool(scaler is not None and hasattr(scaler, "scale_window")),
         "overflow": bool(opt.overflow),

@@ -37,7 +37,12 @@ from deepspeed.runtime.checkpointing._layout import (
     validate_tag,
     writer_rank,
 )
-from deepspeed.runtime.checkpointing._serialize import compact_for_save, module_state_dict, stage_file
+from deepspeed.runtime.checkpointing._serialize import (
+    compact_for_save,
+    module_state_dict,
+    stage_file,
+    with_deepspeed_objects,
+)
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
 from deepspeed.runtime.checkpointing._sync import arrive, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
@@ -105,7 +110,7 @@ def _rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str
             if name in files or os.path.basename(name) != name:
                 raise CheckpointError(f"checkpoint shard file name {name!r} from {type(shard).__name__} is "
                                       "taken or not a plain file name")
-            files[name] = obj
+            files[name] = with_deepspeed_objects(obj)
     return files
 
 

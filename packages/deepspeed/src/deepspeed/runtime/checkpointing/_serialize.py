@@ -20,8 +20,12 @@ import torch
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.checkpointing._atomic import atomic_write, stage_write
 from deepspeed.runtime.checkpointing._errors import CorruptCheckpointError, UnsafeCheckpointError
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 _WEIGHTS_ONLY_MARK = "Weights only load failed"
+# The loss-scaler objects our ZeRO optimizer files hold, as DeepSpeed's do: plain data (numbers and a dtype),
+# so a weights-only load may build them (also those of DeepSpeed's own files, same class names)
+torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler])
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since 1.6 is a zip archive
 
 
@@ -153,3 +157,36 @@ def _unsafe_message(path: str, names: list[str]) -> str:
         "If you trust the file, allow them with torch.serialization.add_safe_globals([...]) or load with "
         "EngineState(trusted_load=True); better, keep only tensors and plain types in client_state"
     )
+
+
+def with_deepspeed_objects(obj: Any) -> Any:
+    """``obj`` (a file's payload) with a ZeRO optimizer state's plain ``loss_scaler`` description turned into the
+    object DeepSpeed's own optimizers pickle there (its ``deepspeed.runtime.fp16.loss_scaler`` class, same
+    attributes), so DeepSpeed can load the file: its ZeRO loads take ``state['loss_scaler']`` as their scaler
+    (stage 3 requires the key).
+    Our readers take either form (a weights-only load reads the object as a placeholder holding its attributes).
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("optimizer_state_dict"), dict):
+        return obj
+    state = obj["optimizer_state_dict"]
+    if "loss_scaler" not in state or not (state["loss_scaler"] is None or isinstance(state["loss_scaler"], dict)):
+        return obj  # stage 1/2 without scaling leave the key out, which DeepSpeed's load accepts
+    return {**obj, "optimizer_state_dict": {**state, "loss_scaler": deepspeed_loss_scaler(state.get("loss_scaler"))}}
+
+
+def deepspeed_loss_scaler(description: dict[str, Any] | None) -> Any:
+    """DeepSpeed's scaler object for a plain description (``None``: no scaling, DeepSpeed's static scale 1)."""
+    description = description or {"cur_scale": 1.0}
+    if "scale_window" not in description:
+        return LossScaler(scale=float(description["cur_scale"]))
+    scaler = DynamicLossScaler(init_scale=float(description["cur_scale"]),
+                               scale_window=int(description["scale_window"]),
+                               min_scale=float(description.get("min_scale", 1.0)),
+                               delayed_shift=int(description.get("delayed_shift", 1)),
+                               consecutive_hysteresis=bool(description.get("consecutive_hysteresis", False)),
+                               raise_error_at_min_scale=bool(description.get("raise_error_at_min_scale", True)))
+    scaler.load_state_dict({**scaler.state_dict(), **{k: description[k] for k in scaler.state_dict()
+                                                      if k in description}})
+    if "scale_factor" in description:
+        scaler.scale_factor = float(description["scale_factor"])
+    return scaler
