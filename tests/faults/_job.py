@@ -7,7 +7,9 @@ for the verifier), meets the other rank, and 1 s later (so the other rank is alr
 on step 3 (or in the next save/load), rank ``VICTIM`` hits the fault:
 
 - ``FAULT=sigkill``, ``PHASE`` in forward | backward | step | save | load: the victim SIGKILLs itself there;
-- ``FAULT=sigstop``, same phases: the victim SIGSTOPs itself (a stall; only the process-group timeout helps).
+- ``FAULT=sigstop``, same phases: the victim SIGSTOPs itself (a stall; only the process-group timeout helps);
+- ``PHASE=train_batch``: the same with a 2-stage pipeline (``PipelineModule``, one stage per rank) instead of the
+  ZeRO-1 MLP; the victim's stage hits the fault in its forward of the third ``train_batch``.
 
 Just before, the victim writes ``WORK/fault_at`` (``time.time()``) so the test can time the survivors' exit.
 Every rank that raises writes its message to ``WORK/error_r<R>.txt`` before exiting with code 1.
@@ -35,6 +37,28 @@ def build_engine(seed: int = 0, config: dict | None = None):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
     return deepspeed.initialize(model=model, config=config or CONFIG)[0]
+
+
+PIPE_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}}
+
+
+def build_pipe_engine(seed: int = 0):
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    deepspeed.init_distributed()  # PipelineModule splits the layers over the process group's ranks
+    torch.manual_seed(seed)
+    specs = [LayerSpec(torch.nn.Linear, 6, 16), LayerSpec(torch.nn.GELU), LayerSpec(torch.nn.Linear, 16, 3)]
+    module = PipelineModule(specs, num_stages=2, loss_fn=torch.nn.MSELoss(), seed_layers=True)
+    return deepspeed.initialize(model=module, config=PIPE_CONFIG)[0]
+
+
+def train_pipe(engine, batches: int) -> None:
+    """``batches`` calls of ``train_batch``; the data depend on the step number only (both stages read it)."""
+    for _ in range(batches):
+        gen = torch.Generator().manual_seed(1000 * engine.global_steps)
+        engine.train_batch(iter([(torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen))] * 2))
 
 
 def train(engine, steps: int) -> None:
@@ -98,9 +122,34 @@ def start_together(work: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.02)
 
 
+def main_pipe(work: str, kind: str, victim: int) -> None:
+    start_together(work)
+    engine = build_pipe_engine()
+    rank = torch.distributed.get_rank()
+    train_pipe(engine, 2)
+    engine.save_checkpoint(os.path.join(work, "ckpt"), tag="good")
+    torch.save(engine.module.state_dict(), os.path.join(work, f"good_r{rank}.pt"))
+    torch.distributed.barrier()
+    if rank == victim:
+        time.sleep(1.0)
+        fault = Fault(work, kind)
+        next(m for m in engine.module.modules() if isinstance(m, torch.nn.Linear)).register_forward_hook(
+            lambda *a: fault())
+    try:
+        train_pipe(engine, 2)
+    except Exception as exc:
+        with open(os.path.join(work, f"error_r{rank}.txt"), "w", encoding="utf-8") as handle:
+            handle.write(f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        sys.exit(1)
+
+
 def main(work: str, kind: str, phase: str, victim: int) -> None:
     import deepspeed  # noqa: F401 - imported before the start line, so that only set-up remains after it
 
+    if phase == "train_batch":
+        main_pipe(work, kind, victim)
+        return
     start_together(work)
     engine = build_engine()
     rank = torch.distributed.get_rank()

@@ -120,12 +120,18 @@ def test_sigkill_of_one_rank_under_the_launcher(tmp_path, phase):
 
 
 @pytest.mark.parametrize("phase,victim", [("forward", 1), ("backward", 1), ("step", 1), ("backward", 0),
-                                          ("save", 1), ("load", 1)])
+                                          ("save", 1), ("save", 0), ("load", 1)])
 def test_sigkill_of_one_rank_bare_survivor_raises(tmp_path, phase, victim):
     error, seconds = _bare(tmp_path, "sigkill", phase, victim)
     assert seconds < KILL_BOUND_S + (PG_TIMEOUT_S if phase in ("save", "load") else 0)
-    if phase in ("save", "load"):  # the checkpoint meeting names who never finished
+    if phase in ("save", "load") and victim == 0:  # the meeting's store died with rank 0's process
+        assert error.startswith(f"CheckpointSyncError: {phase}_checkpoint on rank 1: "), error
+        assert "rank 0: unknown (the group's store, served by rank 0's process, is unreachable)" in error, error
+        bound = f"checkpoint timeout ({PG_TIMEOUT_S:g} s) + {KILL_BOUND_S:g} s"
+    elif phase in ("save", "load"):  # the checkpoint meeting names who never finished, and why
         assert f"ranks [{victim}] did not finish" in error, error
+        assert f"rank {victim} (pid" in error and ("is gone (killed or exited)" in error or "has died" in error), error
+        assert "not only rank 0" not in error, error  # it did call it: it died
         bound = f"checkpoint timeout ({PG_TIMEOUT_S:g} s) + {KILL_BOUND_S:g} s"
     else:
         # ZeRO-1's forward has no collective: a kill there surfaces in the survivor's backward
@@ -157,6 +163,7 @@ def test_sigstop_of_one_rank_bare_survivor_raises(tmp_path, phase):
     error, seconds = _bare(tmp_path, "sigstop", phase, victim=1)
     if phase == "save":
         assert "ranks [1] did not finish writing" in error, error
+        assert "rank 1 (pid" in error and "is stopped (SIGSTOP/SIGTSTP)" in error, error
     else:
         assert error.startswith("PeerFailureError: rank 0, backward at global_steps=2"), error
         assert "rank 1 (pid" in error and "is stopped (SIGSTOP/SIGTSTP)" in error, error
@@ -165,3 +172,25 @@ def test_sigstop_of_one_rank_bare_survivor_raises(tmp_path, phase):
     preserved = _assert_good_checkpoint_loads(tmp_path)
     _record.record(f"SIGSTOP of rank 1 during {phase} (a stall; no launcher)", error, seconds,
                    f"timeout ({PG_TIMEOUT_S:g} s) + {STALL_BOUND_S - PG_TIMEOUT_S:g} s", preserved)
+
+
+def _load_good_pipe(work: str) -> bool:
+    engine = _job.build_pipe_engine(seed=7)
+    engine.load_checkpoint(os.path.join(work, "ckpt"), tag="good")
+    saved = torch.load(os.path.join(work, f"good_r{torch.distributed.get_rank()}.pt"), weights_only=True)
+    return engine.global_steps == 2 and all(torch.equal(v, saved[k]) for k, v in engine.module.state_dict().items())
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_sigkill_of_one_pipeline_stage_during_train_batch(tmp_path, victim):
+    error, seconds = _bare(tmp_path, "sigkill", "train_batch", victim)
+    assert error.startswith(f"PeerFailureError: rank {1 - victim}, train_batch at global_steps=2"), error
+    if victim == 1:
+        assert "rank 1 (pid" in error and ("is gone (killed or exited)" in error or "has died" in error), error
+    else:  # rank 0 served the store
+        assert "rank 0: unknown (the group's store, served by rank 0's process, is unreachable)" in error, error
+    assert seconds < KILL_BOUND_S
+    assert run_distributed(_load_good_pipe, world_size=2, args=(str(tmp_path),), timeout=90) == [True, True]
+    _record.record(f"SIGKILL of pipeline stage {victim} (rank {victim}) during train_batch (no launcher: the "
+                   "survivor's own error)", error, seconds, f"< {KILL_BOUND_S:g} s",
+                   "tag `good` (saved before the fault) loads bitwise on 2 ranks")

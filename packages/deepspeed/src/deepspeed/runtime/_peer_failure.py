@@ -91,31 +91,44 @@ def _process_state(pid: int) -> str:
     return _STATES.get(state, f"is alive (state {state})")
 
 
-def _peer_line(store, rank: int, me: str) -> str:
+def _peer_state(store, rank: int, me: str) -> tuple[str, bool]:
+    """What this host sees of ``rank``, and whether it is known to be down (gone, stopped, or raised)."""
     key = _KEY.format(rank)
     try:
         if not store.check([key]):
-            return f"rank {rank}: never announced itself"
+            return f"rank {rank}: never announced itself", False
         host, pid = store.get(key).decode().split()
     except Exception:
-        return f"rank {rank}: unknown (the group's store, served by rank 0's process, is unreachable)"
+        return f"rank {rank}: unknown (the group's store, served by rank 0's process, is unreachable)", rank == 0
     raised = ""
     with contextlib.suppress(Exception):
         if store.check([_ERROR_KEY.format(rank)]):
             raised = f", and it raised in {store.get(_ERROR_KEY.format(rank)).decode()}"
     if host != me:
-        return f"rank {rank} (pid {pid} on {host}): on another host, state not visible from here{raised}"
-    return f"rank {rank} (pid {pid}) {_settled_state(int(pid))}{raised}"
+        return f"rank {rank} (pid {pid} on {host}): on another host, state not visible from here{raised}", bool(raised)
+    state = _settled_state(int(pid))
+    return f"rank {rank} (pid {pid}) {state}{raised}", bool(raised) or not state.startswith("is alive")
+
+
+def peer_states(ranks: list[int]) -> list[tuple[str, bool]]:
+    """For each of ``ranks``: a line saying what this host can see of it, and whether it is known to be down
+    (its process gone or stopped, or it raised); a rank still running and silent is not down."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [(f"rank {r}: unknown (no process group)", False) for r in ranks]
+    store, me = _store(), socket.gethostname()
+    if store is None:
+        return [(f"rank {r}: unknown (the process group has no store)", False) for r in ranks]
+    return [_peer_state(store, r, me) for r in ranks]
 
 
 def peer_report() -> str:
     """One line per other rank of the world: what this host can see of it."""
     if not (dist.is_available() and dist.is_initialized()):
         return "no process group"
-    store, me, rank = _store(), socket.gethostname(), dist.get_rank()
-    if store is None:
+    if _store() is None:
         return "peer states unknown (the process group has no store)"
-    return "; ".join(_peer_line(store, r, me) for r in range(dist.get_world_size()) if r != rank)
+    rank = dist.get_rank()
+    return "; ".join(line for line, _ in peer_states([r for r in range(dist.get_world_size()) if r != rank]))
 
 
 @contextlib.contextmanager

@@ -12,6 +12,11 @@ Rounds are numbered per process group in each process, so the n-th checkpoint ca
 n-th of the others. A round whose first meeting times out is rolled back, so a rank-0-only call leaves the
 numbering intact for the next correct call. Each rank deletes its previous round's keys once everybody has
 arrived at the next round (by then all ranks are done reading them).
+
+When a rank is missing, or the store itself fails (it is served by rank 0's process: rank 0 died), the error
+says what this host sees of the other ranks (:func:`deepspeed.runtime._peer_failure.peer_states`): a rank
+killed or stopped mid-save is named as such, and the "call it on every rank" hint is kept for ranks that are
+alive but never came.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from deepspeed.runtime._peer_failure import peer_states
 from deepspeed.runtime.checkpointing._errors import CheckpointError, CheckpointSyncError
 from deepspeed.runtime.checkpointing._state import SyncOptions
 
@@ -89,17 +95,27 @@ class Meeting:
         ``waiting_for`` completes the timeout message: "ranks [1] did not <waiting_for> within 30 s".
         """
         mine = self._key(phase, self.rank)
-        self._store.set(mine, value)
-        self._posted.append(mine)
         keys = [self._key(phase, rank) for rank in self.ranks]
-        missing = self._wait(keys)
-        if missing:
-            self._fail(missing, waiting_for)
-        if not self._arrived:
-            self._arrived = True
-            self._forget_stale()
-        _rounds[self._group] = (self._round + 1, self._posted)
-        return dict(zip(self.ranks, self._values(keys), strict=True))
+        try:
+            self._store.set(mine, value)
+            self._posted.append(mine)
+            missing = self._wait(keys)
+            if missing:
+                self._fail(missing, waiting_for)
+            if not self._arrived:
+                self._arrived = True
+                self._forget_stale()
+            _rounds[self._group] = (self._round + 1, self._posted)
+            return dict(zip(self.ranks, self._values(keys), strict=True))
+        except CheckpointSyncError:
+            raise
+        except Exception as exc:  # the store's transport: DistNetworkError, a reset connection, a timeout
+            others = [rank for rank in self.ranks if rank != self.rank]
+            peers = "; ".join(line for line, _ in peer_states(others))
+            raise CheckpointSyncError(
+                f"{self.op} on rank {self.rank}: the process group's store (served by rank 0's process) failed "
+                f"while waiting for every rank to {waiting_for}: {type(exc).__name__}: {' '.join(str(exc).split())}"
+                f". Peers: {peers}") from exc
 
     def _wait(self, keys: Sequence[str]) -> list[int]:
         deadline = time.monotonic() + self.timeout_s
@@ -123,10 +139,13 @@ class Meeting:
             for key in self._posted:
                 self._store.delete_key(key)
             _rounds[self._group] = (self._round, self._stale)
+        states = peer_states(missing)
+        hint = (f"{self.op} is collective: every rank of the group must call it, not only rank 0"
+                if not all(down for _, down in states) else
+                f"A rank that died, stopped or raised cannot reach {self.op}'s meeting")
         raise CheckpointSyncError(
             f"{self.op} on rank {self.rank}: ranks {missing} did not {waiting_for} within {self.timeout_s:g} s "
-            f"(ranks {arrived} did). {self.op} is collective: every rank of the group must call it, not only "
-            "rank 0"
+            f"(ranks {arrived} did): {'; '.join(line for line, _ in states)}. {hint}"
         )
 
     def _forget_stale(self) -> None:

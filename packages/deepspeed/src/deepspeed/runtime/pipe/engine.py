@@ -10,6 +10,9 @@ ZeRO-1, LR schedules, checkpoints and reports are the base engine's: this class 
 
 A failure on one stage (an exception in a layer or the loss, a data iterator that runs dry, activations that
 change shape without ``dynamic_shape``) is sent to the neighbouring stages, which raise it too and pass it on.
+A stage that dies or stalls cannot send anything: ``train_batch``/``eval_batch`` run inside
+``named_peer_failures``, so the transport error the others get becomes a ``PeerFailureError`` naming this rank,
+the call, the global step and what is known of each peer.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepspeed.runtime._peer_failure import named_peer_failures
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.pipe import _checkpoint
@@ -137,6 +141,10 @@ class PipelineEngine(DeepSpeedEngine):
         self._require_optimizer("train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        with named_peer_failures(self.global_steps, "train_batch"):
+            return self._train_batch()
+
+    def _train_batch(self) -> torch.Tensor:
         self.module.train()
         self.total_loss = None
         self._compute_loss = True
@@ -162,6 +170,12 @@ class PipelineEngine(DeepSpeedEngine):
         outputs (on the last stage)."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): accepted: 'avg' or None")
+        with named_peer_failures(self.global_steps, "eval_batch"):
+            return self._eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss,
+                                    num_micro_batches)
+
+    def _eval_batch(self, data_iter: Iterator[Any], return_logits: bool, compute_loss: bool,
+                    reduce_output: str | None, bcast_loss: bool, num_micro_batches: int | None) -> Any:
         micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
         self.eval_return_logits = return_logits
         self._compute_loss = compute_loss
