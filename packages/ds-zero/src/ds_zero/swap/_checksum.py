@@ -15,6 +15,7 @@ spare the ~0.5 ms per MB); the default is on.
 from __future__ import annotations
 
 import os
+import time
 import zlib
 
 import numpy as np
@@ -47,6 +48,7 @@ class SwapChecksums:
         self.on = enabled()
         self._sums: dict[str, dict[tuple[int, int], int]] = {}
         self.checked_bytes = 0
+        self.seconds = 0.0  # spent computing checksums (the price of the checks, for benchmarks)
 
     def record(self, path: str, tensor: torch.Tensor, offset: int = 0, whole_file: bool = True) -> None:
         """``tensor`` is being written at byte ``offset`` of ``path`` (``whole_file``: it becomes the file)."""
@@ -57,7 +59,9 @@ class SwapChecksums:
         for start, length in list(sums):  # an overlapped range no longer holds what its checksum says
             if start < offset + nbytes and offset < start + length:
                 del sums[(start, length)]
+        start = time.perf_counter()
         sums[(offset, nbytes)] = crc32(tensor)
+        self.seconds += time.perf_counter() - start
         self._sums[path] = sums
 
     def forget(self, path: str) -> None:
@@ -72,7 +76,9 @@ class SwapChecksums:
         expected = self._sums.get(path, {}).get((offset, nbytes))
         if expected is None:
             return
+        start = time.perf_counter()
         actual = crc32(tensor)
+        self.seconds += time.perf_counter() - start
         self.checked_bytes += nbytes
         if actual != expected:
             raise SwapCorruptionError(
