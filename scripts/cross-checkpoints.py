@@ -245,6 +245,16 @@ def _real_python() -> str:
     return out.strip().splitlines()[-1]
 
 
+def _prebuild(python: str) -> None:
+    """Build DeepSpeed's CPU shared-memory comm op (JIT, at ``init_distributed``) in one process first: two ranks
+    building it at once, or a rank killed mid-build, leave torch's build lock behind and later ranks wait on it."""
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+            "b is None or b.load()")
+    subprocess.run([python, "-c", code], capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                   timeout=900)
+
+
 def _version(python: str) -> str:
     code = "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"
     out = subprocess.run([python, "-c", code], capture_output=True, text=True,
@@ -289,6 +299,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--cases: unknown {unknown}; accepted: {', '.join(CASES)}")
     ours, real = sys.executable, _real_python()
+    _prebuild(real)
     versions = _version(ours), _version(real)
     rows = []
     for case in args.cases.split(","):
