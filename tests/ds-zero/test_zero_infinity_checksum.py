@@ -107,3 +107,19 @@ def test_checksum_is_of_the_bytes():
     u.view(torch.int32)[500] ^= 1  # the lowest mantissa bit: a different number all the same
     with pytest.raises(SwapCorruptionError):
         sums.verify("f", u)
+
+
+def test_reads_of_a_failed_run_are_not_verified_later(tmp_path, monkeypatch):
+    """A step that raises while the next sub-group's read is in flight: those buffers are reclaimed unread, and
+    the next run must not check them (they may hold another sub-group's data by then)."""
+    swapper = _optimizer(tmp_path, monkeypatch, verify=True)
+
+    def failing(i, t):
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        swapper.run([0, 1], failing)
+    assert not swapper._unverified  # sub-group 1's prefetch was drained, not left for the next wait to check
+    swapper.run([0, 1], lambda i, t: t)  # sub-group 0 lands in the buffer that held 1's aborted prefetch
+    assert torch.equal(swapper.read_new(0)["master"], torch.arange(64, dtype=torch.float32))
+    swapper.close()

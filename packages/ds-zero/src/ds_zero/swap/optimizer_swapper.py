@@ -210,6 +210,7 @@ class OptimizerSwapper:
                 handle.wait()
             except AioError:
                 pass  # the error being raised already says what broke
+        self._unverified = []  # reads of a failed run: their buffers are reclaimed, never used
         if self._pool is not None:
             self._pool.reclaim()
 
