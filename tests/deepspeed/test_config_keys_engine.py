@@ -122,8 +122,12 @@ def _logger_level_and_mesh_error() -> tuple[int, str]:
     from deepspeed.utils import logger
     from ds_config import ConfigError
 
-    deepspeed.initialize(model=_model(), config=_base(log_level="ERROR"))
-    level = logger.level
+    before = logger.level
+    try:
+        deepspeed.initialize(model=_model(), config=_base(log_level="ERROR"))
+        level = logger.level
+    finally:
+        logger.setLevel(before)  # the worker runs later tests that read the engine's warnings
     with pytest.raises(ConfigError, match=r"data_parallel_size: the data-parallel group has 2 ranks") as err:
         deepspeed.initialize(model=_model(), config=_base(data_parallel_size=4))
     deepspeed.initialize(model=_model(), config=_base(data_parallel_size=2))
