@@ -288,6 +288,7 @@ def main() -> None:
     parser.add_argument("--steps", nargs=2, type=int, default=[4, 4], metavar=("N", "M"))
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--no-doc", action="store_true", help="do not write docs/cross-checkpoints.md")
+    parser.add_argument("--direction", choices=["both", "to-ds", "to-ours"], default="both")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per 2-rank launch")
     parser.add_argument("--keep", help="copy each case's checkpoints and logs under this folder")
     args = parser.parse_args()
@@ -303,8 +304,11 @@ def main() -> None:
     versions = _version(ours), _version(real)
     rows = []
     for case in args.cases.split(","):
-        to_real = _cross(case, ours, real, args.n, args.m, args.keep, "ours-to-ds", args.timeout)
-        to_ours = _cross(case, real, ours, args.n, args.m, args.keep, "ds-to-ours", args.timeout)
+        skipped = {"ok": False, "why": "not run (--direction)"}
+        to_real = (_cross(case, ours, real, args.n, args.m, args.keep, "ours-to-ds", args.timeout)
+                   if args.direction != "to-ours" else skipped)
+        to_ours = (_cross(case, real, ours, args.n, args.m, args.keep, "ds-to-ours", args.timeout)
+                   if args.direction != "to-ds" else skipped)
         rows.append((case, to_real, to_ours))
         print(f"{case}: ours->DS {_cell(to_real)}; DS->ours {_cell(to_ours)}", flush=True)
     lines = _report(rows, *versions, args.n, args.m)

@@ -138,7 +138,8 @@ def convert_autotp_stage0(input_folder: str, output_folder: str, strict: bool) -
             f"{ranks[0][0]}: an AutoTP checkpoint without ZeRO needs '{AUTOTP_PARAM_NAMES}', '{AUTOTP_LAYOUTS}' and "
             "'optimizer' in its model states (saved by an older version, or without an optimizer); load it at its "
             "own autotp_size and save it again")
-    states = [r[1]["optimizer"]["optimizer_state_dict"]["state"] for r in ranks]
+    # the wrapped optimizer's state dict, plain (fp32, as DeepSpeed) or under 'optimizer_state_dict' (scaled, bf16)
+    states = [r[1]["optimizer"].get("optimizer_state_dict", r[1]["optimizer"])["state"] for r in ranks]
     module, zero_dir = main.get("module") or {}, os.path.join(output_folder, ZERO_FOLDER)
     make_dirs(zero_dir)
     print(f"Converting AutoTP (tp={len(ranks)}) checkpoint without ZeRO {input_folder} to {output_folder}")
@@ -155,7 +156,7 @@ def convert_autotp_stage0(input_folder: str, output_folder: str, strict: bool) -
                 keys = keys if key in keys else [*keys, key]
         if "step" in entry:
             du._save(os.path.join(param_dir, "step.pt"), entry["step"])
-    inner = main["optimizer"]["optimizer_state_dict"]
+    inner = main["optimizer"].get("optimizer_state_dict", main["optimizer"])
     du._save(os.path.join(zero_dir, du.OPTIMIZER_STATE_FILE),
              {du.PARAM_GROUPS: inner.get(du.PARAM_GROUPS, []), "loss_scaler": main["optimizer"].get("loss_scaler")})
     shapes = {name: tuple(module[name].shape) for name in names}

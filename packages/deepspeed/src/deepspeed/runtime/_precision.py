@@ -62,6 +62,8 @@ class FP32Optimizer(LossScaledWrapper):
 
     grads_in_params = True
     """Gradients live in ``param.grad`` (the reducer may point them at its buckets, see ``_grad_reduce``)."""
+    plain_state_dict = True
+    """Without loss scaling the checkpoint holds the wrapped optimizer's own state dict, as DeepSpeed's does."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
                  dp_group: Any = None, check_overflow: bool = False, norm_scope: NormScope = LOCAL) -> None:
@@ -155,12 +157,17 @@ class FP32Optimizer(LossScaledWrapper):
 
     # ---- checkpoint state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state = {"optimizer_state_dict": self.optimizer.state_dict()}
-        if self.loss_scaler is not None:
-            state["loss_scaler"] = self.loss_scaler.state_dict()
-        return state
+        if self.loss_scaler is None and self.plain_state_dict:  # as DeepSpeed's fp32 stage 0: the wrapped
+            # optimizer's own state dict
+            return self.optimizer.state_dict()
+        return {"optimizer_state_dict": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Either form: the wrapped optimizer's own state dict (DeepSpeed's, ours since) or ours wrapped in
+        ``optimizer_state_dict`` (with ``loss_scaler``)."""
+        if "optimizer_state_dict" not in state_dict:
+            self.optimizer.load_state_dict(state_dict)
+            return
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         if self.loss_scaler is not None and "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
@@ -172,6 +179,8 @@ class MixedPrecisionOptimizer(FP32Optimizer):
     ``fp32_grad_accum``: accumulate micro-step gradients in an fp32 buffer per parameter (bf16 with
     ``data_types.grad_accum_dtype = fp32``) instead of in the parameter's own ``.grad``.
     """
+
+    plain_state_dict = False  # the masters ride along: always our wrapped form
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip: float = 0.0, loss_scaler: Scaler = None,
                  dp_group: Any = None, check_overflow: bool = False, fp32_grad_accum: bool = False,
