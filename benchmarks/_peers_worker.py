@@ -5,7 +5,7 @@ from seed 0, trains it under the job's framework and prints one line ``PEERS_RES
 ``deepspeed`` (whichever ``deepspeed`` this interpreter imports: this project in the bench env, the real one in
 its side venv), ``ddp`` (torch DistributedDataParallel) and ``fsdp2`` (torch ``fully_shard``), the torch peers
 with ``torch.optim.AdamW(fused=True)``. Needs only torch (and deepspeed for that framework): it also runs in the
-real DeepSpeed's venv, so it imports nothing else from this repository.
+real DeepSpeed's venv, so from this repository it imports only ``benchmarks/_common.py`` (torch and stdlib).
 
 Measured: each timed step on the slowest rank (ms; a barrier starts every step), the peak RSS of each rank
 (``ru_maxrss``, MiB, imports included: every framework pays its own), the first-step latency (launch of the
@@ -31,6 +31,7 @@ LAUNCHED = float(os.environ.get("PEERS_LAUNCHED", time.time()))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from _common import timed_ms  # noqa: E402  (the script's folder is on sys.path)
 from torch import nn  # noqa: E402
 
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
@@ -141,18 +142,6 @@ def make_step(job: dict, scratch: str):
     return step, None
 
 
-def timed(step, steps: int) -> list[float]:
-    out = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        out.append(float(elapsed) * 1e3)
-    return out
-
-
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -207,7 +196,7 @@ def rank_main(rank: int, job: dict, port: int, queue) -> None:
         first = slowest(time.time() - LAUNCHED)
         for _ in range(job["warmup"]):
             step()
-        result = {"step_ms": timed(step, job["steps"]), "first_step_s": first}
+        result = {"step_ms": timed_ms(step, job["steps"]), "first_step_s": first}
         if job.get("ckpt"):
             result.update(checkpoint_times(engine, scratch))
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
