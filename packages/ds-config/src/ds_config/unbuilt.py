@@ -93,7 +93,8 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("graph_harvesting", _is(False), "CUDA-graph capture of fused optimizer kernels is not built "
              "(DeepSpeed 0.19.8 removed it)"),
     InertKey("disable_python_gc", _is(False), "the engine leaves Python's garbage collector alone"),
-    InertKey("data_types.keep_in_fp32_modules", _is(None, "auto"), "module buffers follow the precision cast"),
+    InertKey("data_types.keep_in_fp32_modules", _is(None, "auto"), "the named modules' parameters are cast "
+             "with the rest (buffers keep their loaded dtype everywhere)"),
     InertKey("zero_optimization.compute_grad_norm", _is(True), "ZeRO stage 1/2 always computes the gradient "
              "norm"),
     InertKey("zero_optimization.parameter_alignment", _is(False), "ZeRO stage 1/2 flat buffers are not padded "
