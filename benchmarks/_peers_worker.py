@@ -2,10 +2,13 @@
 
 ``python _peers_worker.py '<job json>'`` starts ``world`` gloo ranks (1 torch thread each), builds the job's model
 from seed 0, trains it under the job's framework and prints one line ``PEERS_RESULT <json>``. Frameworks:
-``deepspeed`` (whichever ``deepspeed`` this interpreter imports: this project in the bench env, the real one in
-its side venv), ``ddp`` (torch DistributedDataParallel) and ``fsdp2`` (torch ``fully_shard``), the torch peers
-with ``torch.optim.AdamW(fused=True)``. Needs only torch (and deepspeed for that framework): it also runs in the
-real DeepSpeed's venv, so from this repository it imports only ``benchmarks/_common.py`` (torch and stdlib).
+``deepspeed`` (whichever ``deepspeed`` this interpreter imports: this project in the bench env, the real one in its
+side venv), ``ddp`` (torch DistributedDataParallel) and ``fsdp2`` (torch ``fully_shard``), the torch peers with
+``torch.optim.AdamW(fused=True)``, and ``hf`` (plain Hugging Face ``generate``, for ``infer`` jobs). A job's
+``kind`` (default ``train``) may instead be ``pipe``, ``moe`` or ``infer``: a model of its own, built through
+DeepSpeed's public API only (``deepspeed.pipe``, ``deepspeed.moe.layer.MoE``, ``deepspeed.init_inference``). Needs
+only torch (and deepspeed for that framework): it also runs in the real DeepSpeed's venv, so from this repository it
+imports only ``benchmarks/_common.py`` (torch and stdlib).
 
 Measured: each timed step on the slowest rank (ms; a barrier starts every step), the peak RSS of each rank
 (``ru_maxrss``, MiB, imports included: every framework pays its own), the first-step latency (launch of the
@@ -27,6 +30,7 @@ import time
 import traceback
 
 LAUNCHED = float(os.environ.get("PEERS_LAUNCHED", time.time()))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the infer job builds its GPT-2 from a config: nothing to download
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -109,8 +113,99 @@ def ds_config(job: dict, micro: int, scratch: str) -> dict:
             "zero_optimization": zero, "optimizer": optimizer}
 
 
+PIPE = {"width": 1024, "layers": 8, "micro": 4, "micro_batches": 8}
+MOE = {"width": 512, "experts": 4, "ep_size": 2, "tokens": 256}
+INFER = {"batch": 4, "prompt": 32, "new_tokens": 32}
+
+
+def pipe_step(job: dict):
+    """2-stage pipeline of Linear+GELU layers, 8 micro-batches per ``train_batch`` (DeepSpeed's PipelineModule)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    width, micro, gas = PIPE["width"], PIPE["micro"], PIPE["micro_batches"]
+    specs = [spec for _ in range(PIPE["layers"]) for spec in (LayerSpec(nn.Linear, width, width), LayerSpec(nn.GELU))]
+    model = PipelineModule(layers=specs, num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform")
+    gen = torch.Generator().manual_seed(1000)
+    data = [(torch.randn(micro, width, generator=gen), torch.randn(micro, width, generator=gen)) for _ in range(gas)]
+    config = {**ds_config({"stage": 0}, micro, ""), "gradient_accumulation_steps": gas}
+    engine, _, _, _ = deepspeed_initialize(model, config)
+
+    def step() -> None:
+        engine.train_batch(iter(data))
+    return step, engine
+
+
+class MoEModel(nn.Module):
+    """Linear in, DeepSpeed's MoE layer (top-1 gate over ``experts`` FFN experts, ``ep_size`` ranks), Linear out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        width = MOE["width"]
+        self.inp, self.out = nn.Linear(width, width), nn.Linear(width, width)
+        expert = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.moe = MoE(hidden_size=width, expert=expert, num_experts=MOE["experts"], ep_size=MOE["ep_size"], k=1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden, aux, _ = self.moe(self.inp(x))
+        return nn.functional.mse_loss(self.out(hidden), y) + 0.01 * aux
+
+
+def moe_step(job: dict):
+    torch.manual_seed(0)
+    model = MoEModel()
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    batch = (torch.randn(1, MOE["tokens"], MOE["width"], generator=gen),
+             torch.randn(1, MOE["tokens"], MOE["width"], generator=gen))
+    engine, _, _, _ = deepspeed_initialize(model, ds_config({"stage": 0}, 1, ""))
+
+    def step() -> None:
+        engine.backward(engine(*batch))
+        engine.step()
+    return step, engine
+
+
+def infer_step(job: dict):
+    """Greedy ``generate`` of a tiny random-weight GPT-2 (no hub download): plain Hugging Face or through
+    ``deepspeed.init_inference``; the result's ``tokens_per_s`` counts the new tokens of the whole batch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=4096, n_positions=256, n_embd=256, n_layer=4, n_head=4)
+    model = GPT2LMHeadModel(config).eval()
+    if job["framework"] == "deepspeed":
+        import deepspeed
+
+        model = deepspeed.init_inference(model, dtype=torch.float32)
+    elif job["framework"] != "hf":
+        raise ValueError(f"framework {job['framework']!r} for an infer job: accepted deepspeed, hf")
+    gen = torch.Generator().manual_seed(1000)
+    ids = torch.randint(0, 4096, (INFER["batch"], INFER["prompt"]), generator=gen)
+    new = INFER["new_tokens"]
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new, "min_new_tokens": new,
+              "do_sample": False, "pad_token_id": 0}
+
+    def step() -> None:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, **kwargs)
+        if out.shape[1] != INFER["prompt"] + new:
+            raise RuntimeError(f"generate returned {out.shape[1]} positions, expected {INFER['prompt'] + new}")
+    return step, None
+
+
+def deepspeed_initialize(model: nn.Module, config: dict):
+    import deepspeed
+
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+
 def make_step(job: dict, scratch: str):
     """(step function, engine or None) for the job's framework."""
+    kind = job.get("kind", "train")
+    if kind != "train":
+        return {"pipe": pipe_step, "moe": moe_step, "infer": infer_step}[kind](job)
     model, batch = build(job)
     framework = job["framework"]
     if framework == "deepspeed":
@@ -197,6 +292,9 @@ def rank_main(rank: int, job: dict, port: int, queue) -> None:
         for _ in range(job["warmup"]):
             step()
         result = {"step_ms": timed_ms(step, job["steps"]), "first_step_s": first}
+        if job.get("kind") == "infer":
+            per_s = [INFER["batch"] * INFER["new_tokens"] * 1000.0 / ms for ms in result["step_ms"]]
+            result["tokens_per_s"] = sorted(per_s)[len(per_s) // 2]
         if job.get("ckpt"):
             result.update(checkpoint_times(engine, scratch))
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])

@@ -13,9 +13,14 @@ ours is faster / smaller). A row a framework cannot run shows its error instead.
 Rows (``--rows``, comma-separated; ``--models mlp,gpt``): ``stage0`` (peers: real DeepSpeed, DDP), ``stage1``,
 ``stage2``, ``stage3`` (+ FSDP2), ``stage2+cpu``, ``stage3+cpu`` (CPU offload of the optimizer, and of the
 parameters at stage 3), ``stage3+nvme``; ``ckpt2`` / ``ckpt3`` (checkpoint save/load time, bytes on disk and
-``zero_to_fp32`` time at stage 2/3, MLP). First-step latency (interpreter launch to the end of the first step:
-import + initialize + first step) comes from every stage-0 job. Models: ``mlp`` (6 x Linear(1024)+GELU, micro
-batch 16), ``gpt`` (4 layers, d 256, 4 heads, seq 256, vocab 4096, micro batch 4).
+``zero_to_fp32`` time at stage 2/3, MLP); ``pipe`` (``PipelineModule`` of 8 Linear(1024)+GELU layers in 2 stages,
+one ``train_batch`` of 8 micro-batches of 4 per step, 2 ranks), ``moe`` (the ``MoE`` layer, 4 FFN experts of width
+512, top-1, ``ep_size`` 2 on 2 ranks, 256 tokens per rank) and ``infer`` (greedy ``generate`` of 32 new tokens for 4
+prompts of 32 on a tiny random GPT-2, 1 process, peer: plain Hugging Face ``generate``; its tokens/s table gives
+this / ours, > 1: the peer is faster) run their own model whatever ``--models`` says. First-step latency
+(interpreter launch to the end of the first step: import + initialize + first step) comes from every stage-0 job.
+Models: ``mlp`` (6 x Linear(1024)+GELU, micro batch 16), ``gpt`` (4 layers, d 256, 4 heads, seq 256, vocab 4096,
+micro batch 4).
 Run: ``hatch run bench:peers`` (``--quick``: MLP, stage 0/2/3, 2 repetitions; ``--help``).
 """
 
@@ -39,7 +44,9 @@ WORKER = HERE / "_peers_worker.py"
 STAGE_ROWS = {"stage0": (0, None), "stage1": (1, None), "stage2": (2, None), "stage3": (3, None),
               "stage2+cpu": (2, "cpu"), "stage3+cpu": (3, "cpu"), "stage3+nvme": (3, "nvme")}
 CKPT_ROWS = {"ckpt2": 2, "ckpt3": 3}
-ROWS = (*STAGE_ROWS, *CKPT_ROWS)
+# rows with their own model, not run per --models: (gloo ranks, frameworks besides ours and real DeepSpeed)
+OWN_MODEL_ROWS = {"pipe": (2, []), "moe": (2, []), "infer": (1, ["hf"])}
+ROWS = (*STAGE_ROWS, *CKPT_ROWS, *OWN_MODEL_ROWS)
 MODELS = ("mlp", "gpt")
 TORCH_PEER = {"stage0": "ddp", "stage3": "fsdp2"}
 
@@ -85,8 +92,14 @@ def real_python() -> tuple[str | None, str]:
 def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(row label, framework label, job) for every measurement of one repetition."""
     out = []
+    for row in [r for r in args.rows if r in OWN_MODEL_ROWS]:
+        world, peers = OWN_MODEL_ROWS[row]
+        for fw in ["ours", "real", *peers]:
+            framework = "deepspeed" if fw in ("ours", "real") else fw
+            out.append((row, fw, {"kind": row, "framework": framework, "world": world, "steps": args.steps,
+                                  "warmup": args.warmup}))
     for model in args.models:
-        for row in args.rows:
+        for row in [r for r in args.rows if r not in OWN_MODEL_ROWS]:
             if row in CKPT_ROWS:
                 if model != "mlp":
                     continue
@@ -174,7 +187,19 @@ def report(results: dict, labels: list[tuple[str, str]], args: argparse.Namespac
             rss = fmt_spread(collect(results, key, "peak_rss_mib"), 0)
             first = fmt_spread(collect(results, key, "first_step_s"), 1) if row.endswith("stage0") else ""
             lines.append(f"| {row} | {fw} | {fmt_spread(steps)} | {ratio} | {rss} | {first} |")
-    ckpt_rows = [r for r in rows_seen if r.split("/")[1] in CKPT_ROWS]
+    infer_rows = [r for r in rows_seen if r == "infer"]
+    if infer_rows:
+        lines += ["", "| row | framework | generate tokens/s median [min-max] | this / ours (paired) |",
+                  "|---|---|---|---|"]
+        ours_tps = collect(results, ("infer", "ours"), "tokens_per_s")
+        for fw in [fw for r, fw in labels if r == "infer"]:
+            if error_of(results, ("infer", fw)):
+                lines.append(f"| infer | {fw} | error: {error_of(results, ('infer', fw))} | |")
+                continue
+            tps = collect(results, ("infer", fw), "tokens_per_s")
+            lines.append(f"| infer | {fw} | {fmt_spread(tps, 0)} | "
+                         f"{'1' if fw == 'ours' else paired_ratio(tps, ours_tps)} |")
+    ckpt_rows = [r for r in rows_seen if r.rsplit("/", 1)[-1] in CKPT_ROWS]
     if ckpt_rows:
         lines += ["", "| row | framework | save s | load s | MiB on disk | zero_to_fp32 s | ours / this (save, load, "
                   "zero_to_fp32) |", "|---|---|---|---|---|---|---|"]
@@ -214,7 +239,7 @@ def machine_header(args: argparse.Namespace, versions: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    pythons = {"ours": sys.executable, "ddp": sys.executable, "fsdp2": sys.executable}
+    pythons = {"ours": sys.executable, "ddp": sys.executable, "fsdp2": sys.executable, "hf": sys.executable}
     why_not_real = "left out (--no-real)"
     if not args.no_real:
         pythons["real"], why_not_real = real_python()
