@@ -192,6 +192,7 @@ def infer_step(job: dict):
             out = model.generate(input_ids=ids, **kwargs)
         if out.shape[1] != INFER["prompt"] + new:
             raise RuntimeError(f"generate returned {out.shape[1]} positions, expected {INFER['prompt'] + new}")
+        step.tokens = out[:, INFER["prompt"]:].tolist()  # greedy: every framework should produce the same
     return step, None
 
 
@@ -295,6 +296,7 @@ def rank_main(rank: int, job: dict, port: int, queue) -> None:
         if job.get("kind") == "infer":
             per_s = [INFER["batch"] * INFER["new_tokens"] * 1000.0 / ms for ms in result["step_ms"]]
             result["tokens_per_s"] = sorted(per_s)[len(per_s) // 2]
+            result["generated"] = step.tokens
         if job.get("ckpt"):
             result.update(checkpoint_times(engine, scratch))
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])

@@ -189,16 +189,19 @@ def report(results: dict, labels: list[tuple[str, str]], args: argparse.Namespac
             lines.append(f"| {row} | {fw} | {fmt_spread(steps)} | {ratio} | {rss} | {first} |")
     infer_rows = [r for r in rows_seen if r == "infer"]
     if infer_rows:
-        lines += ["", "| row | framework | generate tokens/s median [min-max] | this / ours (paired) |",
-                  "|---|---|---|---|"]
+        lines += ["", "| row | framework | generate tokens/s median [min-max] | this / ours (paired) | "
+                  "same tokens as hf |", "|---|---|---|---|---|"]
+        hf_tokens = [r.get("generated") for r in results.get(("infer", "hf"), []) if "error" not in r]
         ours_tps = collect(results, ("infer", "ours"), "tokens_per_s")
         for fw in [fw for r, fw in labels if r == "infer"]:
             if error_of(results, ("infer", fw)):
-                lines.append(f"| infer | {fw} | error: {error_of(results, ('infer', fw))} | |")
+                lines.append(f"| infer | {fw} | error: {error_of(results, ('infer', fw))} | | |")
                 continue
             tps = collect(results, ("infer", fw), "tokens_per_s")
+            mine = [r.get("generated") for r in results[("infer", fw)] if "error" not in r]
+            same = "—" if not hf_tokens else "yes" if all(t == hf_tokens[0] for t in mine) else "**no**"
             lines.append(f"| infer | {fw} | {fmt_spread(tps, 0)} | "
-                         f"{'1' if fw == 'ours' else paired_ratio(tps, ours_tps)} |")
+                         f"{'1' if fw == 'ours' else paired_ratio(tps, ours_tps)} | {same} |")
     ckpt_rows = [r for r in rows_seen if r.rsplit("/", 1)[-1] in CKPT_ROWS]
     if ckpt_rows:
         lines += ["", "| row | framework | save s | load s | MiB on disk | zero_to_fp32 s | ours / this (save, load, "
@@ -227,18 +230,19 @@ def report(results: dict, labels: list[tuple[str, str]], args: argparse.Namespac
     return "\n".join(lines)
 
 
-def machine_header(args: argparse.Namespace, versions: dict) -> str:
+def machine_header(args: argparse.Namespace, versions: dict, started: datetime.datetime, load: float) -> str:
     import torch
 
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-    return (f"peers — {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, {platform.node()}, "
-            f"{os.cpu_count()} cores, load average at start {load[0]:.1f}, torch {torch.__version__}, "
+    ended = datetime.datetime.now(datetime.UTC).strftime("%H:%M UTC")
+    return (f"peers — {started.strftime('%Y-%m-%d %H:%M')}-{ended}, {platform.node()}, {os.cpu_count()} cores, "
+            f"load average at start {load:.1f}, torch {torch.__version__}, "
             f"real DeepSpeed {versions.get('real', 'n/a')}, {args.world} gloo ranks x 1 thread, "
             f"{args.reps} reps x {args.steps} steps after {args.warmup} warm-up")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    started, load = datetime.datetime.now(datetime.UTC), os.getloadavg()[0]
     pythons = {"ours": sys.executable, "ddp": sys.executable, "fsdp2": sys.executable, "hf": sys.executable}
     why_not_real = "left out (--no-real)"
     if not args.no_real:
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 results.setdefault((row, fw), []).append(res)
                 shown = res.get("error") or f"{statistics.median(res['step_ms']):.1f} ms"
                 print(f"[rep {rep + 1}/{args.reps}] {row:18s} {fw:6s} {shown}", file=sys.stderr, flush=True)
-    print(report(results, labels, args, machine_header(args, versions)))
+    print(report(results, labels, args, machine_header(args, versions, started, load)))
     if args.json:
         Path(args.json).write_text(json.dumps({f"{r}|{f}": v for (r, f), v in results.items()}, indent=1))
 
