@@ -354,7 +354,9 @@ def _convert_stage0_pipeline(input_folder: str, output_folder: str, strict: bool
         if names is None or optimizer is None:
             raise UniversalConversionError(f"{path}: no optimizer state by parameter name (saved without an "
                                            "optimizer?); nothing to convert")
-        inner, masters = optimizer["optimizer_state_dict"], optimizer.get("fp32_master_weights")
+        # the wrapped optimizer's state dict, plain (fp32, as DeepSpeed) or under 'optimizer_state_dict' (scaled, bf16)
+        inner = optimizer.get("optimizer_state_dict", optimizer)
+        masters = optimizer.get("fp32_master_weights")
         common = common if common is not None else {PARAM_GROUPS: inner.get(PARAM_GROUPS, []),
                                                     "loss_scaler": optimizer.get("loss_scaler")}
         cache: dict[int, Any] = {}

@@ -160,7 +160,10 @@ class FP32Optimizer(LossScaledWrapper):
         if self.loss_scaler is None and self.plain_state_dict:  # as DeepSpeed's fp32 stage 0: the wrapped
             # optimizer's own state dict
             return self.optimizer.state_dict()
-        return {"optimizer_state_dict": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+        state = {"optimizer_state_dict": self.optimizer.state_dict()}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Either form: the wrapped optimizer's own state dict (DeepSpeed's, ours since) or ours wrapped in

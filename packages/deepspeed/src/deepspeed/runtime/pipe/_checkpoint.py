@@ -219,7 +219,8 @@ def _gather_optimizer_state(engine: Any, load_dir: str, tag: str, first: dict[st
         if names is None or optimizer is None:
             raise CheckpointError(f"{path}: no optimizer state by parameter name (saved without an optimizer, or by "
                                   "ZeRO); load with load_optimizer_states=False")
-        inner = optimizer["optimizer_state_dict"]
+        # plain (fp32 stage 0, as DeepSpeed writes it) or wrapped with the masters and scaler (bf16/fp16)
+        inner = optimizer.get("optimizer_state_dict", optimizer)
         masters = optimizer.get("fp32_master_weights")
         groups = groups if groups is not None else inner["param_groups"]
         scaler = scaler if scaler is not None else optimizer.get("loss_scaler")
