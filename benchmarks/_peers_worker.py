@@ -132,7 +132,8 @@ def pipe_step(job: dict):
     engine, _, _, _ = deepspeed_initialize(model, config)
 
     def step() -> None:
-        engine.train_batch(iter(data))
+        loss = engine.train_batch(iter(data))
+        step.loss = float("-inf") if loss is None else float(loss)  # the last stage's; others may return None
     return step, engine
 
 
@@ -162,8 +163,10 @@ def moe_step(job: dict):
     engine, _, _, _ = deepspeed_initialize(model, ds_config({"stage": 0}, 1, ""))
 
     def step() -> None:
-        engine.backward(engine(*batch))
+        loss = engine(*batch)
+        engine.backward(loss)
         engine.step()
+        step.loss = float(loss)
     return step, engine
 
 
@@ -297,6 +300,10 @@ def rank_main(rank: int, job: dict, port: int, queue) -> None:
             per_s = [INFER["batch"] * INFER["new_tokens"] * 1000.0 / ms for ms in result["step_ms"]]
             result["tokens_per_s"] = sorted(per_s)[len(per_s) // 2]
             result["generated"] = step.tokens
+        if job.get("kind") in ("pipe", "moe"):  # same worker code, same seeds: the frameworks' numerics side by side
+            last = torch.tensor([step.loss], dtype=torch.float64)
+            dist.all_reduce(last, op=dist.ReduceOp.MAX)
+            result["last_loss"] = float(last)
         if job.get("ckpt"):
             result.update(checkpoint_times(engine, scratch))
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])

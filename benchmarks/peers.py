@@ -187,6 +187,10 @@ def report(results: dict, labels: list[tuple[str, str]], args: argparse.Namespac
             rss = fmt_spread(collect(results, key, "peak_rss_mib"), 0)
             first = fmt_spread(collect(results, key, "first_step_s"), 1) if row.endswith("stage0") else ""
             lines.append(f"| {row} | {fw} | {fmt_spread(steps)} | {ratio} | {rss} | {first} |")
+    losses = [f"{row} {fw} {fmt_spread(collect(results, (row, fw), 'last_loss'), 5)}"
+              for row, fw in labels if row in ("pipe", "moe") and not error_of(results, (row, fw))]
+    if losses:
+        lines += ["", "Loss after the last timed step (max over ranks): " + "; ".join(losses)]
     infer_rows = [r for r in rows_seen if r == "infer"]
     if infer_rows:
         lines += ["", "| row | framework | generate tokens/s median [min-max] | this / ours (paired) | "
