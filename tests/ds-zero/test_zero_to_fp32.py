@@ -457,7 +457,8 @@ def test_conversion_resident_memory_stays_near_one_shard(tmp_path):
                            str(shard)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     converted, eager = map(int, done.stdout.split())
-    # one full shard (2 params) plus the param that overflows it: ~24 MB; loading it all would be >= 128 MB
-    assert converted < 0.3 * total, (converted, eager)
+    # one full shard (2 params) plus the param that overflows it: ~24 MB, up to 40 MB measured when the heap has
+    # not yet handed back the previous shard's pages (a loaded 2-core CI run); loading it all would be >= 128 MB
+    assert converted < 0.4 * total, (converted, eager)
     # the same probe sees the eager state dict hold the model (less what the heap kept from the conversion)
     assert eager > 0.6 * total, (converted, eager)
