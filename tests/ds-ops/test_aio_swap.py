@@ -9,6 +9,7 @@ import _ds_ops_aio_fixtures as fx
 import pytest
 import torch
 
+import ds_ops.aio
 from ds_ops.aio import AioError, AsyncIOBuilder, AsyncIOHandle, aio_handle, swap
 
 backend = fx.backend
@@ -89,6 +90,8 @@ def test_builder_and_deepspeed_paths(tmp_path):
     assert builder.NAME == "async_io" and builder.is_compatible() is True
     module = builder.load()
     assert module.aio_handle is AsyncIOHandle is aio_handle
+    # the op module serves the very objects ds_ops.aio exports (ds_ops.aio adds swap and the builder)
+    assert module.__all__ and all(getattr(module, name) is getattr(ds_ops.aio, name) for name in module.__all__)
     h = module.aio_handle(1048576, 8, False, True, 1)  # DeepSpeed's positional order
     t = torch.arange(100, dtype=torch.float32)
     assert h.sync_pwrite(t, str(tmp_path / "ds.bin")) == 1

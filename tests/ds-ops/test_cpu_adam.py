@@ -6,7 +6,7 @@ import pytest
 import torch
 from _ds_ops_optim_helpers import SIZES, assert_rel_close, make_params, train_pair
 
-from ds_ops import DeepSpeedCPUAdam, _reference
+from ds_ops import DeepSpeedCPUAdam, reference
 
 
 @pytest.mark.parametrize("adamw", [True, False])
@@ -41,7 +41,7 @@ def test_no_bias_correction_matches_reference(native):
             for p in ps:
                 self.state[p].setdefault("m", torch.zeros_like(p))
                 self.state[p].setdefault("v", torch.zeros_like(p))
-            _reference.adam_update(ps, [p.grad for p in ps], [self.state[p]["m"] for p in ps],
+            reference.adam_update(ps, [p.grad for p in ps], [self.state[p]["m"] for p in ps],
                                    [self.state[p]["v"] for p in ps], [1] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999,
                                    eps=1e-8, weight_decay=0.05, bias_correction=False, adamw_mode=True)
 

@@ -13,13 +13,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PlainValidator, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from ds_config._base import AUTO, Deprecated, DeprecatedConfigWarning, DSConfigModel, KeepAuto, is_own_state, keeps_auto
+from ds_config._base import (
+    AUTO,
+    Deprecated,
+    DeprecatedConfigWarning,
+    DSConfigModel,
+    KeepAuto,
+    is_own_state,
+    keeps_auto,
+    validate_section,
+)
 from ds_config._errors import ConfigError, ConfigProblem, join_path
+from ds_config._source import read_source
 from ds_config._types import Auto, AutoPosInt, Bool, DType, Float, PosInt
 from ds_config.activation_checkpointing import ActivationCheckpointingConfig
 from ds_config.aio import AioConfig
 from ds_config.autotuning import AutotuningConfig
-from ds_config.batch import BatchSizes, resolve_batch_sizes
+from ds_config.batch import GAS, MBS, TBS, BatchSizes, resolve_batch_sizes
 from ds_config.checkpoint import CheckpointConfig
 from ds_config.checks import check_compatibility, pipeline_problems
 from ds_config.comm import CommsLoggerConfig
@@ -183,8 +193,6 @@ class DeepSpeedConfig(DSConfigModel):
     @classmethod
     def load(cls, source: Any, *, world_size: int | None = None, strict: bool = True) -> DeepSpeedConfig:
         """Parse ``source`` (dict, path, JSON text or base64 JSON); see ``ds_config.load_config``."""
-        from ds_config.loader import load_config
-
         return load_config(source, world_size=world_size, strict=strict)
 
     @model_validator(mode="before")
@@ -326,6 +334,71 @@ class DeepSpeedConfig(DSConfigModel):
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain JSON-ready data (defaults filled in)."""
         return self.model_dump(mode="json", exclude_none=False)
+
+
+def load_config(source: Any, *, world_size: int | None = None, strict: bool = True) -> DeepSpeedConfig:
+    """Parse and validate a DeepSpeed config.
+
+    ``source``: dict, path (str or ``Path``) to a JSON file, JSON text, or base64-encoded JSON.
+    ``world_size``: data-parallel size; when given, the batch keys are derived and checked.
+    ``strict=False``: unknown keys warn (``UnknownConfigKeyWarning``) and are dropped instead of failing.
+    Raises ``ConfigError`` (a ``ValueError``) whose problems name each bad key's full path.
+    """
+    if isinstance(source, DeepSpeedConfig):
+        config = source
+    else:
+        data = read_source(source)
+        try:
+            config = validate_section(DeepSpeedConfig, data, strict=strict)
+        except ConfigError as exc:
+            raise ConfigError(exc.problems + _hidden_problems(data, exc.paths, world_size)) from None
+    if world_size is not None:
+        config.resolve_batch(world_size)
+    return config
+
+
+def _hidden_problems(data: dict[str, Any], reported: list[str], world_size: int | None) -> list[ConfigProblem]:
+    """Problems a failed validation could not reach, so one run shows them all: cross-section checks (which
+    need every section valid) among the sections that did validate, and the batch arithmetic.
+
+    The sections with errors are left out (so they take their defaults, which are all "off" and cannot
+    create a conflict of their own).
+    """
+    bad = {path.split(".")[0].split("[")[0] for path in reported}
+    rest = {key: value for key, value in data.items() if key not in bad}
+    extra: list[ConfigProblem] = []
+    if len(rest) < len(data):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecations were already reported by the first validation
+            try:
+                validate_section(DeepSpeedConfig, rest, strict=False)
+            except ConfigError as exc:
+                extra = exc.problems
+    if world_size is not None:
+        extra += _batch_problems(data, world_size)
+    seen = set(reported)
+    return [p for p in extra if p.path not in seen and not seen.add(p.path)]
+
+
+def _batch_problems(data: dict[str, Any], world_size: int) -> list[ConfigProblem]:
+    """Batch-arithmetic problems of a config that failed validation elsewhere, so one run shows them all.
+
+    Only plain positive integers are checked: a wrong type is already reported by validation, and elastic
+    training (which owns the batch keys) is left to ``resolve_batch``.
+    """
+    values = [data.get(key) for key in (TBS, MBS, GAS)]
+    elastic = data.get("elasticity")
+    if isinstance(elastic, dict) and elastic.get("enabled"):
+        return []
+    if any(v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0) for v in values):
+        return []
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        return []
+    try:
+        resolve_batch_sizes(*values, world_size=world_size)
+    except ConfigError as exc:
+        return exc.problems
+    return []
 
 
 def _auto_paths(model: DSConfigModel, path: str) -> list[str]:

@@ -18,12 +18,12 @@ from ds_ops import __version__
 from ds_ops.op_builder import (
     CACHE_ENV,
     SIMD_ENV,
-    _toolchain,
     all_builders,
     best_simd_level,
     cache_root,
     cpu_model,
     supported_simd_levels,
+    toolchain,
 )
 
 _OK, _NO = "[OKAY]", "[NO]"
@@ -41,8 +41,8 @@ def _deepspeed_version() -> str:
 
 def environment_lines() -> list[tuple[str, str]]:
     """(label, value) pairs describing torch, CUDA, the toolchain and the CPU."""
-    cxx = _toolchain.compiler_path()
-    ninja = _toolchain.ninja_path()
+    cxx = toolchain.compiler_path()
+    ninja = toolchain.ninja_path()
     cuda = torch.cuda.is_available()
     return [
         ("deepspeed version", _deepspeed_version()),
@@ -51,7 +51,7 @@ def environment_lines() -> list[tuple[str, str]]:
         ("torch install path", os.path.dirname(torch.__file__)),
         ("torch build", f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"),
         ("CUDA available", f"yes ({torch.cuda.device_count()} device(s))" if cuda else "no"),
-        ("C++ compiler", f"{cxx} ({_toolchain.compiler_version(cxx)})" if cxx else f"{_NO} {_toolchain.compiler()} "
+        ("C++ compiler", f"{cxx} ({toolchain.compiler_version(cxx)})" if cxx else f"{_NO} {toolchain.compiler()} "
          "not found"),
         ("ninja", ninja or f"{_NO} not found (pip install ninja)"),
         ("CPU", cpu_model()),

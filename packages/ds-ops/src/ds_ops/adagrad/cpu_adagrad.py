@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ds_ops import _reference
-from ds_ops._cpu_optimizer import CPUOptimizer, Item
+from ds_ops import reference
+from ds_ops.cpu_optimizer import CPUOptimizer, Item
 from ds_ops.op_builder import CPUAdagradBuilder
 
 # torch.optim.Adagrad's param-group keys beyond lr/eps/weight_decay, with the values DeepSpeed's Adagrad implements
@@ -46,5 +46,5 @@ class DeepSpeedCPUAdagrad(CPUOptimizer):
 
     def _torch_update(self, group: dict[str, Any], items: list[Item]) -> None:
         self._hyper(group)
-        _reference.adagrad_update([it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
+        reference.adagrad_update([it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
                                   lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])

@@ -6,8 +6,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from ds_ops import _reference
-from ds_ops._cpu_optimizer import CPUOptimizer, Item
+from ds_ops import reference
+from ds_ops.cpu_optimizer import CPUOptimizer, Item
 from ds_ops.op_builder import CPUAdamBuilder
 
 
@@ -48,7 +48,7 @@ class DeepSpeedCPUAdam(CPUOptimizer):
 
     def _torch_update(self, group: dict[str, Any], items: list[Item]) -> None:
         beta1, beta2 = group["betas"]
-        _reference.adam_update(
+        reference.adam_update(
             [it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
             [it[2][1] for it in items], [it[4] for it in items], lr=group["lr"], beta1=beta1, beta2=beta2,
             eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],

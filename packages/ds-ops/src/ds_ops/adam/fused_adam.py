@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from ds_ops import _reference
-from ds_ops._fused_common import FusedOptimizer
-from ds_ops._validate import check_group
+from ds_ops import reference
+from ds_ops.fused_common import FusedOptimizer
+from ds_ops.validate import check_group
 
 
 class FusedAdam(FusedOptimizer):
@@ -52,6 +52,6 @@ class FusedAdam(FusedOptimizer):
                         lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             return
         torch._foreach_add_(steps, 1)
-        _reference.adam_update(params, grads, exp_avgs, exp_avg_sqs, [1] * len(params), lr=group["lr"], beta1=beta1,
+        reference.adam_update(params, grads, exp_avgs, exp_avg_sqs, [1] * len(params), lr=group["lr"], beta1=beta1,
                                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                                bias_correction=False, adamw_mode=self.adam_w_mode)

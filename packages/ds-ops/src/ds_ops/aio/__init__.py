@@ -18,14 +18,17 @@ pool doing ``os.preadv``/``os.pwritev``, with a warning when it was not asked fo
 
 from ds_ops.aio import swap
 from ds_ops.aio._builder import AsyncIOBuilder
-from ds_ops.aio._errors import AioError
-from ds_ops.aio._handle import BACKEND_ENV, AsyncIOHandle
-from ds_ops.aio._libaio import unavailable_reason as libaio_unavailable_reason
-from ds_ops.aio._memory import free_locked as free_cpu_locked_tensor
-from ds_ops.aio._memory import is_locked_tensor, page_aligned_empty
-from ds_ops.aio._memory import new_locked as new_cpu_locked_tensor
-
-aio_handle = AsyncIOHandle
+from ds_ops.aio.async_io import (
+    BACKEND_ENV,
+    AioError,
+    AsyncIOHandle,
+    aio_handle,
+    free_cpu_locked_tensor,
+    is_locked_tensor,
+    libaio_unavailable_reason,
+    new_cpu_locked_tensor,
+    page_aligned_empty,
+)
 
 __all__ = [
     "BACKEND_ENV",

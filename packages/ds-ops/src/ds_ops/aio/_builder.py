@@ -1,17 +1,17 @@
 """``AsyncIOBuilder``: the op-builder face of this module, as DeepSpeed scripts call it.
 
-``deepspeed.ops.op_builder.AsyncIOBuilder().load()`` returns the module whose ``aio_handle`` is the handle
-type. Nothing is compiled: the bindings use cffi's ABI mode (see the package docstring), so ``load`` only
-imports, and the op is usable everywhere Python's os.preadv exists (libaio, or the thread-pool fallback).
+``deepspeed.ops.op_builder.AsyncIOBuilder().load()`` returns the op module (``ds_ops.aio.async_io``) whose
+``aio_handle`` is the handle type. Nothing is compiled: the bindings use cffi's ABI mode (see the package
+docstring), so ``load`` only imports, and the op is usable everywhere Python's os.preadv exists (libaio, or the
+thread-pool fallback).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 
-from ds_ops.aio import _libaio
+from ds_ops.aio import _libaio, async_io
 
 
 class AsyncIOBuilder:
@@ -52,9 +52,9 @@ class AsyncIOBuilder:
         return []
 
     def load(self, verbose: bool = True) -> ModuleType:
-        """The op module: ``aio_handle`` (= ``AsyncIOHandle``) and friends."""
+        """The op module ``ds_ops.aio.async_io``: ``aio_handle`` (= ``AsyncIOHandle``) and friends."""
         if not self.is_compatible():
             raise RuntimeError(f"{self.NAME}: this platform has no os.preadv/os.pwritev")
-        return importlib.import_module("ds_ops.aio")
+        return async_io
 
     jit_load = load

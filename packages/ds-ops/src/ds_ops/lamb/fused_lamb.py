@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ds_ops._fused_common import FusedOptimizer
-from ds_ops._validate import check_group
+from ds_ops.fused_common import FusedOptimizer
+from ds_ops.validate import check_group
 
 
 class FusedLamb(FusedOptimizer):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ds_ops import _reference
-from ds_ops._cpu_optimizer import CPUOptimizer, Item
+from ds_ops import reference
+from ds_ops.cpu_optimizer import CPUOptimizer, Item
 from ds_ops.op_builder import CPULionBuilder
 
 
@@ -33,5 +33,5 @@ class DeepSpeedCPULion(CPUOptimizer):
 
     def _torch_update(self, group: dict[str, Any], items: list[Item]) -> None:
         beta1, beta2 = group["betas"]
-        _reference.lion_update([it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
+        reference.lion_update([it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
                                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])

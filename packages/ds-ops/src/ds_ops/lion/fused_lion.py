@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ds_ops import _reference
-from ds_ops._fused_common import FusedOptimizer
-from ds_ops._validate import check_group
+from ds_ops import reference
+from ds_ops.fused_common import FusedOptimizer
+from ds_ops.validate import check_group
 
 
 class FusedLion(FusedOptimizer):
@@ -27,5 +27,5 @@ class FusedLion(FusedOptimizer):
             b = self._gather(group)
             if b.params:
                 beta1, beta2 = group["betas"]
-                _reference.lion_update(b.params, b.grads, b.states["exp_avg"], lr=group["lr"], beta1=beta1,
+                reference.lion_update(b.params, b.grads, b.states["exp_avg"], lr=group["lr"], beta1=beta1,
                                        beta2=beta2, weight_decay=group["weight_decay"])

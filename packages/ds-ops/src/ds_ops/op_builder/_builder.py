@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from ds_ops.op_builder import _cpu, _toolchain
+from ds_ops.op_builder import _cpu, toolchain
 from ds_ops.op_builder._lock import LockTimeout, file_lock
 
 ABI_VERSION = 1
@@ -137,7 +137,7 @@ class OpBuilder:
         """content_key plus the compiler binary and torch version: one JIT build directory per key."""
         import torch
 
-        extra = f"{self.content_key()}|{_toolchain.compiler_identity()}|torch{torch.__version__}"
+        extra = f"{self.content_key()}|{toolchain.compiler_identity()}|torch{torch.__version__}"
         return hashlib.sha256(extra.encode()).hexdigest()[:24]
 
     def build_dir(self) -> Path:
@@ -169,7 +169,7 @@ class OpBuilder:
                 f"{self.simd_level!r}; set {_cpu.SIMD_ENV} to one of {', '.join(_cpu.supported_simd_levels())}."
             )
         if self.prebuilt_path() is None and not self.library_path().is_file():
-            problems += _toolchain.toolchain_problems()
+            problems += toolchain.toolchain_problems()
         return problems
 
     def is_compatible(self, verbose: bool = False) -> bool:
@@ -212,8 +212,8 @@ class OpBuilder:
             with file_lock(lock):
                 if (final / f"{self.NAME}.so").is_file():
                     return final / f"{self.NAME}.so"
-                problems = _toolchain.toolchain_problems() or [
-                    p for p in [_toolchain.probe_compile(tuple(self.cxx_flags()))] if p
+                problems = toolchain.toolchain_problems() or [
+                    p for p in [toolchain.probe_compile(tuple(self.cxx_flags()))] if p
                 ]
                 if problems:
                     raise OpBuildError(
@@ -248,7 +248,7 @@ class OpBuilder:
         except (RuntimeError, OSError, SystemExit) as exc:
             raise OpBuildError(
                 f"compiling op {self.NAME!r} in {directory} failed: {exc}\n"
-                f"Compiler: {_toolchain.compiler()}; flags: {' '.join(self.cxx_flags())}." + self._fallback_hint()
+                f"Compiler: {toolchain.compiler()}; flags: {' '.join(self.cxx_flags())}." + self._fallback_hint()
             ) from exc
         lib = directory / f"{self.NAME}.so"
         if Path(produced) != lib:  # cpp_extension renames repeat builds of one name in a process (NAME_v1.so)

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ds_ops._validate import check_group
+from ds_ops.validate import check_group
 
 
 class Batch(NamedTuple):

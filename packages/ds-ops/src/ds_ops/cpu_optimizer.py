@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 import torch
 
 from ds_ops._native import DTYPE_CODES, NO_COPY, load_kernel
-from ds_ops._validate import check_group
 from ds_ops.op_builder import OpBuilder
+from ds_ops.validate import check_group
 
 # One parameter's work for a step: param, grad, state tensors, copy target (or None), 1-based step.
 Item = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], "torch.Tensor | None", int]
