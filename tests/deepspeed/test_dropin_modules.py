@@ -37,7 +37,7 @@ from deepspeed.utils.torch import (
 
 # ---- loss scalers ------------------------------------------------------------------------------------------------
 def test_scalers_are_the_engines():
-    from deepspeed.runtime import _loss_scaler
+    from deepspeed.runtime.precision import loss_scalers as _loss_scaler
 
     assert issubclass(DynamicLossScaler, _loss_scaler.DynamicLossScaler)
     assert issubclass(LossScaler, _loss_scaler.StaticLossScaler)

@@ -234,7 +234,7 @@ def test_constants_name_the_typed_config_keys_and_defaults():
 def test_engine_hook_only_for_the_training_route_and_not_with_curriculum_sampling():
     from types import SimpleNamespace
 
-    from deepspeed.runtime import _data_efficiency
+    from deepspeed.runtime.engine import _data_efficiency
     from ds_config.data_efficiency import DataEfficiencyConfig
 
     both = DataEfficiencyConfig.model_validate({"data_sampling": {

@@ -118,8 +118,8 @@ def test_reduction_options_match_reference(options):
 
 
 def _reducers_agree(options: dict) -> list[float]:
-    from deepspeed.runtime._grad_reduce import BucketedAllReduce, ReduceOptions, ReferenceAllReduce
-    from deepspeed.runtime._precision import FP32Optimizer
+    from deepspeed.runtime.grad_reduce import BucketedAllReduce, ReduceOptions, ReferenceAllReduce
+    from deepspeed.runtime.precision.optimizers import FP32Optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []

@@ -159,7 +159,7 @@ def test_bad_inputs_give_clear_errors():
     ({"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.5}}, "SGD"),
 ])
 def test_optimizer_from_config(section, expected):
-    from deepspeed.runtime._optimizer_factory import optimizer_from_config
+    from deepspeed.runtime.engine._optimizer import optimizer_from_config
 
     opt = optimizer_from_config(load_config({"optimizer": section}).optimizer, _model().parameters())
     assert type(opt).__name__ == expected
@@ -169,7 +169,7 @@ def test_optimizer_from_config(section, expected):
 
 
 def test_optimizer_config_errors_and_zero_rule():
-    from deepspeed.runtime._optimizer_factory import check_zero_optimizer, optimizer_from_config
+    from deepspeed.runtime.engine._optimizer import check_zero_optimizer, optimizer_from_config
 
     for name, cls in (("OneBitAdam", "OnebitAdam"), ("ZeroOneAdam", "ZeroOneAdam"), ("OneBitLamb", "OnebitLamb")):
         built = optimizer_from_config(load_config({"optimizer": {"type": name}}).optimizer, _model().parameters())
@@ -367,7 +367,7 @@ def test_mpu_supplies_the_data_parallel_group():
 
 def _stage_seam_body() -> dict:
     import deepspeed
-    from deepspeed.runtime import _setup
+    from deepspeed.runtime.engine import _stages as _setup
 
     config = {**BASE, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
     original = _setup.STAGE_BUILDERS.pop(2)

@@ -57,7 +57,7 @@ def test_fp16_overflow_skips_step_on_every_rank_and_moves_the_scale():
 
 
 def test_dynamic_loss_scaler_hysteresis_and_window():
-    from deepspeed.runtime._loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler
 
     s = DynamicLossScaler(init_scale=1024, scale_window=3, min_scale=1, delayed_shift=2)
     s.update_scale(True)

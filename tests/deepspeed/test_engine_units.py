@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepspeed.runtime._grad_reduce import ReduceOptions, _plan_buckets
-from deepspeed.runtime._loss_scaler import DynamicLossScaler
-from deepspeed.runtime._precision import FP32Optimizer
+from deepspeed.runtime.grad_reduce import ReduceOptions, _plan_buckets
+from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler
+from deepspeed.runtime.precision.optimizers import FP32Optimizer
 
 
 @settings(max_examples=60, deadline=None)

@@ -29,7 +29,7 @@ def _in_a_bucket(grad: torch.Tensor | None, reducer) -> bool:
 
 def _train(config: dict, reference: bool, no_sync_every: int) -> tuple[list[torch.Tensor], bool]:
     import deepspeed
-    from deepspeed.runtime._grad_reduce import ReferenceAllReduce
+    from deepspeed.runtime.grad_reduce import ReferenceAllReduce
 
     engine, _, _, _ = deepspeed.initialize(model=_model(), config=config)
     if reference:
@@ -80,7 +80,7 @@ def test_bucket_views_bitwise_equal_copy_path(extra, no_sync_every, expect_views
 
 
 def test_torch_adam_uses_fused_kernel_with_the_same_numbers():
-    from deepspeed.runtime._optimizer_factory import _adam
+    from deepspeed.runtime.engine._optimizer import _adam
 
     for name, extra, cls in (("adam", {}, torch.optim.AdamW), ("adamw", {}, torch.optim.AdamW),
                              ("adam", {"adam_w_mode": False}, torch.optim.Adam)):

@@ -52,7 +52,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _initialize(model: torch.nn.Module, config: dict, mpu=None):
     """``deepspeed.initialize`` whose stage builder receives ``mpu`` in ``StageInputs.mpu``."""
     import deepspeed
-    from deepspeed.runtime import _setup
+    from deepspeed.runtime.engine import _stages as _setup
 
     stage = config.get("zero_optimization", {}).get("stage", 0)
     original = _setup._stage_builder(stage)

@@ -198,7 +198,7 @@ def test_sequence_parallel_size_errors():
 def test_sequence_parallelism_reduces_in_seq_parallel_communication_data_type():
     """As DeepSpeed's engine: with sequence parallelism ``seq_parallel_communication_data_type`` (default fp32)
     replaces ``communication_data_type`` for the gradient reduction."""
-    from deepspeed.runtime._setup import _comm_dtype
+    from deepspeed.runtime.engine._precision import comm_dtype as _comm_dtype
     from ds_config import ConfigError, load_config
 
     bf16 = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}

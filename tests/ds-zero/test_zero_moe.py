@@ -80,7 +80,7 @@ def _global_params(model: Net, ep_rank: int) -> dict[str, torch.Tensor]:
 
 def _zero_optimizer(model: Net, stage: int, **reduce: object) -> object:
     """A ZeRO stage 1/2 optimizer over DeepSpeed's MoE parameter groups, wired as build_zero_stage does."""
-    from deepspeed.runtime._zero_setup import moe_group_comms
+    from deepspeed.runtime.engine._zero import moe_group_comms
     from ds_moe.utils import split_params_into_different_moe_groups_for_optimizer
     from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ReduceSettings, ZeroSettings
 

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime._peer_failure`` on its own: which errors count as a peer's failure, what ``/proc`` says of
+"""``deepspeed.runtime.peer_failure`` on its own: which errors count as a peer's failure, what ``/proc`` says of
 a stopped, dead and reaped process, and that other errors leave the engine's phases unchanged."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from deepspeed.runtime._peer_failure import _process_state, is_transport_error, named_peer_failures
+from deepspeed.runtime.peer_failure import _process_state, is_transport_error, named_peer_failures
 
 
 @pytest.mark.parametrize("text,expected", [

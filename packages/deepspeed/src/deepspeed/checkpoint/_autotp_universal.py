@@ -183,7 +183,7 @@ def _finish(output_folder: str, model_files: list[str], shapes: dict[str, tuple]
 def stage0_optimizer(wrapper: Any, module: torch.nn.Module) -> tuple[Any, list[torch.nn.Parameter], list[str]] | None:
     """(wrapper, its model parameters in state order, their names in ``module``) of a ZeRO-0 optimizer wrapper
     (``FP32Optimizer``), else None (no optimizer, or ZeRO: its own files and universal load)."""
-    from deepspeed.runtime._precision import FP32Optimizer
+    from deepspeed.runtime.precision.optimizers import FP32Optimizer
 
     if not isinstance(wrapper, FP32Optimizer):
         return None

@@ -120,7 +120,7 @@ def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
 
 def _average_over_sequence_ranks(engine: Any) -> None:
     """Gradients of AutoSP ranks (each a loss over its own shard) are averaged over the sequence-data group."""
-    from deepspeed.runtime._grad_reduce import BucketedAllReduce
+    from deepspeed.runtime.grad_reduce import BucketedAllReduce
 
     if engine.sequence_parallel_size == 1 or engine.reducer is None:
         return

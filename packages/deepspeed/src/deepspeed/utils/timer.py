@@ -4,7 +4,7 @@
 ms). On a synchronized device (CPU) a timer reads the host clock; on an accelerator it records a pair of device
 events, so it measures the queued kernels without blocking the host until the time is read. ``NoopTimer`` has
 the same surface and does nothing. ``ThroughputTimer`` reports samples/s over the optimizer steps after
-``start_step`` warm-up steps. The engine's own phase timers (``runtime._timers``) are a smaller, internal API.
+``start_step`` warm-up steps. The engine's own phase timers (``runtime.engine._timers``) are a smaller, internal API.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ numbering intact for the next correct call. Each rank deletes its previous round
 arrived at the next round (by then all ranks are done reading them).
 
 When a rank is missing, or the store itself fails (it is served by rank 0's process: rank 0 died), the error
-says what this host sees of the other ranks (:func:`deepspeed.runtime._peer_failure.peer_states`): a rank
+says what this host sees of the other ranks (:func:`deepspeed.runtime.peer_failure.peer_states`): a rank
 killed or stopped mid-save is named as such, and the "call it on every rank" hint is kept for ranks that are
 alive but never came.
 """
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from deepspeed.runtime._peer_failure import peer_states
 from deepspeed.runtime.checkpointing._errors import CheckpointError, CheckpointSyncError
 from deepspeed.runtime.checkpointing._state import SyncOptions
+from deepspeed.runtime.peer_failure import peer_states
 
 _PREFIX = "ds_ckpt"
 # per process group: (next round number, the keys this process posted in the last completed round)

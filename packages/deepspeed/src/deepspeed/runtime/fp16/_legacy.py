@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime._loss_scaler import DynamicLossScaler, StaticLossScaler
-from deepspeed.runtime._precision import MixedPrecisionOptimizer, Scaler
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.fp16.loss_scaler import (
     CONSECUTIVE_HYSTERESIS,
@@ -24,6 +22,8 @@ from deepspeed.runtime.fp16.loss_scaler import (
     LossScaleConfig,
     LossScaleProfile,
 )
+from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler, StaticLossScaler
+from deepspeed.runtime.precision.optimizers import MixedPrecisionOptimizer, Scaler
 from ds_zero._grad_norm import norm_scope
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)

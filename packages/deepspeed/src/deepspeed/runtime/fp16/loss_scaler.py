@@ -1,10 +1,10 @@
 """``deepspeed.runtime.fp16.loss_scaler``: DeepSpeed's loss scalers under their documented names.
 
-``LossScaler`` (static) and ``DynamicLossScaler`` extend the engine's scalers (``runtime._loss_scaler``: same state,
-``state_dict``) with DeepSpeed 0.19's constructor signatures, attributes and methods (``scale_loss``, ``backward``,
-``scale_gradient``, ``has_overflow_serial``); an instance unpickled from a DeepSpeed checkpoint works as one built
-here. ``DynamicLossScaler.update_scale`` is DeepSpeed 0.19's: the scale grows after ``scale_window`` clean steps
-*following* the last overflow (the step after a stable window). ``CreateLossScaler`` builds one from the ``fp16``
+``LossScaler`` (static) and ``DynamicLossScaler`` extend the engine's scalers (``runtime.precision.loss_scalers``:
+same state, ``state_dict``) with DeepSpeed 0.19's constructor signatures, attributes and methods (``scale_loss``,
+``backward``, ``scale_gradient``, ``has_overflow_serial``); an instance unpickled from a DeepSpeed checkpoint works as
+one built here. ``DynamicLossScaler.update_scale`` is DeepSpeed 0.19's: the scale grows after ``scale_window`` clean
+steps *following* the last overflow (the step after a stable window). ``CreateLossScaler`` builds one from the ``fp16``
 section's values; ``LossScaleConfig`` resolves them per precision (no scaling unless fp16).
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime._loss_scaler import DynamicLossScaler as _DynamicScaler
-from deepspeed.runtime._loss_scaler import StaticLossScaler as _StaticScaler
-from deepspeed.runtime._norms import has_inf_or_nan
+from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler as _DynamicScaler
+from deepspeed.runtime.precision.loss_scalers import StaticLossScaler as _StaticScaler
+from deepspeed.runtime.utils import has_inf_or_nan
 from deepspeed.utils.logging import log_dist
 
 __all__ = ["CONSECUTIVE_HYSTERESIS", "DELAYED_SHIFT", "INITIAL_LOSS_SCALE", "MIN_LOSS_SCALE", "SCALE_WINDOW",

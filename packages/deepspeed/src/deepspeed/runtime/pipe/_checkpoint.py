@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from deepspeed.runtime import checkpointing
-from deepspeed.runtime._precision import FP32Optimizer
 from deepspeed.runtime.checkpointing import CheckpointError, PipelineLayerShards, load_file, model_states_name
+from deepspeed.runtime.precision.optimizers import FP32Optimizer
 
 _PARTS = "pipeline_parts"
 _NAMES = "pipeline_param_names"

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed.runtime._peer_failure import named_peer_failures
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.optimizer_wrapper import trainable
+from deepspeed.runtime.peer_failure import named_peer_failures
 from deepspeed.runtime.pipe import _checkpoint
 from ds_config import ConfigError, ConfigProblem
 from ds_pipe import module as pipe_module

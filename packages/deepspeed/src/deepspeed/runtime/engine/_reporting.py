@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from deepspeed.utils import log_dist
@@ -73,3 +74,20 @@ def report_progress(engine: Any) -> None:
     engine._loss_sum, engine._losses_in_window, engine._steps_in_window = None, 0, 0
     engine.timers.reset()
 
+
+def build_monitor(config: Any) -> Any:
+    """A ``ds_monitor.MonitorMaster`` when any monitor is enabled, else None."""
+    if not any(getattr(config, s).enabled for s in ("tensorboard", "wandb", "comet", "csv_monitor")):
+        return None
+    from ds_monitor import MonitorMaster
+
+    return MonitorMaster(config)
+
+
+def build_flops_profiler(module: torch.nn.Module, config: Any, engine: Any) -> Any:
+    """A ``ds_profiler.FlopsProfiler`` on ``module`` when ``flops_profiler.enabled``, else None."""
+    if not config.flops_profiler.enabled:
+        return None
+    from ds_profiler import FlopsProfiler
+
+    return FlopsProfiler(module, ds_engine=engine, recompute_fwd_factor=config.flops_profiler.recompute_fwd_factor)

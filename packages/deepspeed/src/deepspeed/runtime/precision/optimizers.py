@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed.runtime._loss_scaler import DynamicLossScaler, StaticLossScaler
+from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler, StaticLossScaler
 from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, model_parallel_norm
 from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._registry import register_masters

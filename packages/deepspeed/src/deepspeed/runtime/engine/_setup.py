@@ -20,7 +20,7 @@ import torch.distributed as dist
 from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
 from deepspeed.autotuning._probe import attach_probe as attach_autotuning_probe
-from deepspeed.runtime import _data_efficiency, _moe_setup, _pld_setup, _setup
+from deepspeed.runtime.engine import _data_efficiency, _module, _moe, _pld, _reporting
 from deepspeed.utils import log_dist
 from ds_config import ConfigError, ConfigProblem
 
@@ -88,22 +88,22 @@ def distribute_module(engine: Any, config: Any, mpu: Any) -> None:
     """MoE expert groups, then ZeRO-3 partitioning or the broadcast of rank 0's weights; sets
     ``has_moe_layers`` and ``zero3_scheduler`` (which gathers and releases the partitioned parameters around
     each module under ZeRO-3, else None)."""
-    engine.has_moe_layers = _moe_setup.has_moe(engine.module)
+    engine.has_moe_layers = _moe.has_moe(engine.module)
     if engine.has_moe_layers:
         if config.zero_stage == 3:
             raise ConfigError(ConfigProblem("zero_optimization.stage", "MoE layers (ds_moe / deepspeed.moe) train "
                                             "with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
-        _moe_setup.configure(engine.module, mpu, config.use_data_before_expert_parallelism)
+        _moe.configure(engine.module, mpu, config.use_data_before_expert_parallelism)
     engine.zero3_scheduler = None
     if config.zero_stage == 3:
-        from deepspeed.runtime._zero3_setup import partition_model
+        from deepspeed.runtime.engine._zero3 import partition_model
 
         # partitioned over the sequence-data group: sequence ranks hold the same weights (DeepSpeed's seq_dp)
         engine.zero3_scheduler = partition_model(engine.module, config, engine.seq_dp_group, engine.device, mpu)
     elif engine.has_moe_layers:
-        _moe_setup.broadcast_module(engine.module, engine.dp_group)
+        _moe.broadcast_module(engine.module, engine.dp_group)
     else:
-        _setup.broadcast_module(engine.module, engine.seq_dp_group)
+        _module.broadcast_module(engine.module, engine.seq_dp_group)
     if engine.sequence_parallel_size > 1 and engine.has_moe_layers:
         raise ConfigError(ConfigProblem("sequence_parallel_size", "sequence parallelism trains models without "
                                         "MoE layers in this version; accepted: 1", engine.sequence_parallel_size))
@@ -142,11 +142,11 @@ def take_over_module(engine: Any, trained: set[int]) -> None:
 def add_checkpoint_shards(engine: Any) -> None:
     """The MoE experts' and the AutoTP-sharded layers' parts of ``engine.checkpoint_shards``."""
     if engine.has_moe_layers:
-        from deepspeed.runtime._moe_checkpoint import MoECheckpointShards
+        from deepspeed.runtime.engine._moe_checkpoint import MoECheckpointShards
 
         engine.checkpoint_shards = (*engine.checkpoint_shards, MoECheckpointShards(engine))
     if engine.mp_world_size > 1:  # AutoTP-sharded layers: full weights in the checkpoints
-        from deepspeed.runtime._autotp_setup import checkpoint_shards
+        from deepspeed.runtime.engine._autotp import checkpoint_shards
 
         engine.checkpoint_shards = checkpoint_shards(engine)
 
@@ -154,13 +154,13 @@ def add_checkpoint_shards(engine: Any) -> None:
 def attach_features(engine: Any, config: Any, training_data: Any, collate_fn: Any) -> None:
     """What is attached once the optimizer and the training state exist: the data-efficiency schedules, the
     training loader, the monitor, the FLOPs profiler, the autotuning probe and ``torch.compile``."""
-    _pld_setup.attach(engine, config)
+    _pld.attach(engine, config)
     engine.data_efficiency = _data_efficiency.build(config, engine.train_batch_size(),
                                                     engine.train_micro_batch_size_per_gpu())
     engine.training_dataloader = (engine.deepspeed_io(training_data, collate_fn=collate_fn)
                                   if training_data is not None else None)
-    engine.monitor = _setup.build_monitor(config)
-    engine.flops_profiler = _setup.build_flops_profiler(engine.module, config, engine)
+    engine.monitor = _reporting.build_monitor(config)
+    engine.flops_profiler = _reporting.build_flops_profiler(engine.module, config, engine)
     engine.autotuning_probe = attach_autotuning_probe(engine, config.autotuning)  # writes metrics, then exits
     if config.compile.deepcompile:  # as in DeepSpeed, DeepCompile runs at engine.compile(); checked now
         from deepspeed.compile._engine import check_deepcompile

@@ -23,15 +23,23 @@ from typing import Any
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime import _engine_setup, _moe_setup, _setup
-from deepspeed.runtime._accessors import ConfigAccessors
-from deepspeed.runtime._compression_setup import build_compression_scheduler
-from deepspeed.runtime._data_efficiency import DataMethods
-from deepspeed.runtime._peer_failure import announce, named_peer_failures
-from deepspeed.runtime._timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP, PhaseTimers, Throughput
-from deepspeed.runtime._zero3_engine import Zero3EngineMethods
-from deepspeed.runtime._zero_states import ZeroStateMethods
+from deepspeed.runtime.engine import _module, _moe, _optimizer, _setup, _stages
+from deepspeed.runtime.engine._accessors import ConfigAccessors
+from deepspeed.runtime.engine._compression import build_compression_scheduler
+from deepspeed.runtime.engine._data_efficiency import DataMethods
+from deepspeed.runtime.engine._timers import (
+    BACKWARD,
+    BACKWARD_INNER,
+    BACKWARD_REDUCE,
+    FORWARD,
+    STEP,
+    PhaseTimers,
+    Throughput,
+)
+from deepspeed.runtime.engine._zero3 import Zero3EngineMethods
+from deepspeed.runtime.engine._zero_states import ZeroStateMethods
 from deepspeed.runtime.optimizer_wrapper import trainable
+from deepspeed.runtime.peer_failure import announce, named_peer_failures
 from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
 from deepspeed.utils import log_dist
 
@@ -53,19 +61,19 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._config = config
         self.config = config.to_dict()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
-        _engine_setup.place(self, mpu, dp_group)
-        self.module = _setup.prepare_module(model, config, self.device)
-        _engine_setup.cast_buffers(self.module, config)
+        _setup.place(self, mpu, dp_group)
+        self.module = _module.prepare_module(model, config, self.device)
+        _setup.cast_buffers(self.module, config)
         self.compression_scheduler = build_compression_scheduler(self, config)  # compression_training
-        _engine_setup.distribute_module(self, config, mpu)  # MoE groups; ZeRO-3 partitions or a broadcast
+        _setup.distribute_module(self, config, mpu)  # MoE groups; ZeRO-3 partitions or a broadcast
         if config.torch_autocast_enabled:
             init_autocast_params(self, self._autocast_dtype(), config.torch_autocast.lower_precision_safe_modules)
         self._released: str | None = None  # why this engine may no longer train (see _release)
         self._configure_optimizer(optimizer, model_parameters, lr_scheduler)
-        _engine_setup.add_checkpoint_shards(self)  # MoE experts, AutoTP-sharded layers
+        _setup.add_checkpoint_shards(self)  # MoE experts, AutoTP-sharded layers
         self._configure_training_state()
-        _engine_setup.attach_features(self, config, training_data, collate_fn)
-        _engine_setup.log_startup(self, config)
+        _setup.attach_features(self, config, training_data, collate_fn)
+        _setup.log_startup(self, config)
         announce()  # host and pid, so that a peer's failure can be named (see _peer_failure)
 
     def __getattr__(self, name: str) -> Any:
@@ -80,8 +88,6 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
 
     # ---- construction --------------------------------------------------------------------------------
     def _configure_optimizer(self, optimizer: Any, model_parameters: Any, lr_scheduler: Any) -> None:
-        from deepspeed.runtime._optimizer_factory import build_basic_optimizer, check_zero_optimizer
-
         params = trainable(self.module.parameters())
         # without an optimizer the module is simply evaluated (ZeRO-3 still gathers its partitioned weights)
         if optimizer is None and self._config.optimizer is None:
@@ -89,20 +95,21 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
             return
         chosen = list(model_parameters) if model_parameters is not None else params
         if self.has_moe_layers and not isinstance(optimizer, torch.optim.Optimizer):
-            chosen = _moe_setup.param_groups(chosen)  # as DeepSpeed: expert parameters in their own groups
+            chosen = _moe.param_groups(chosen)  # as DeepSpeed: expert parameters in their own groups
         offload = self._config.zero_optimization.offload_optimizer
         cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith(("cpu", "nvme"))
-        self.basic_optimizer = build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
-        check_zero_optimizer(self.basic_optimizer, self._config.zero_stage, self._config.zero_allow_untested_optimizer)
-        _engine_setup.check_sequence_parallel_optimizer(self)
+        self.basic_optimizer = _optimizer.build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
+        _optimizer.check_zero_optimizer(self.basic_optimizer, self._config.zero_stage,
+                                        self._config.zero_allow_untested_optimizer)
+        _setup.check_sequence_parallel_optimizer(self)
         trained = {id(p) for group in self.basic_optimizer.param_groups for p in group["params"]}  # before ZeRO
-        inputs = _setup.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
+        inputs = _stages.StageInputs(self.module, params, self.basic_optimizer, self._config, self.dp_group,
                                     self.dp_world_size, scheduler=self.zero3_scheduler, mpu=self.mpu,
                                     reduce_group=self.seq_dp_group)
-        self.optimizer, self.reducer = _setup.build_stage(inputs)
+        self.optimizer, self.reducer = _stages.build_stage(inputs)
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
-        self.lr_scheduler = _setup.build_scheduler(lr_scheduler, self._config, self.optimizer)
-        _engine_setup.take_over_module(self, trained)
+        self.lr_scheduler = _optimizer.build_scheduler(lr_scheduler, self._config, self.optimizer)
+        _setup.take_over_module(self, trained)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
@@ -317,7 +324,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self.tput.add(self.train_batch_size())
 
     def _after_model_step(self) -> None:
-        from deepspeed.runtime._reporting import report_progress
+        from deepspeed.runtime.engine._reporting import report_progress
 
         self._steps_in_window += 1
         if self.flops_profiler is not None and self.flops_profiler.started:
@@ -402,7 +409,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                 return False
             state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         elif self.mp_world_size > 1:  # AutoTP: the full weights, gathered over the tensor group (collective)
-            from deepspeed.runtime._autotp_setup import full_module_state
+            from deepspeed.runtime.engine._autotp import full_module_state
 
             state_dict = full_module_state(self.module)
         return checkpointing.save_16bit_model(self, save_dir, save_filename,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from deepspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
 
 # what ZeRO accepts without ``zero_allow_untested_optimizer`` (class names, as DeepSpeed's list)
@@ -158,3 +159,24 @@ def check_zero_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allo
         raise ConfigError(ConfigProblem("zero_allow_untested_optimizer", f"ZeRO stage {zero_stage} has not been "
                                         f"tested with optimizer {name}; set \"zero_allow_untested_optimizer\": true "
                                         f"to use it anyway (tested: {', '.join(ZERO_SUPPORTED_OPTIMIZERS)})", False))
+
+
+def build_scheduler(client: Any, config: Any, wrapper: OptimizerWrapper) -> Any:
+    """The client's schedule (an instance, or a callable taking the optimizer), else the config's, else None.
+
+    As in DeepSpeed, a client schedule wins over the config's ``scheduler`` section (with a warning).
+    """
+    from deepspeed.runtime.lr_schedules import build_lr_scheduler
+    from deepspeed.utils import logger
+
+    if client is not None:
+        if config.scheduler is not None:
+            logger.warning("deepspeed.initialize: an lr_scheduler was passed, so the config's 'scheduler' section "
+                           f"({config.scheduler.type}) is ignored")
+        if hasattr(client, "step") and hasattr(client, "state_dict"):
+            return client
+        if callable(client):
+            return client(wrapper.optimizer)
+        raise TypeError(f"deepspeed.initialize: lr_scheduler={type(client).__name__} is neither a schedule (with "
+                        "step/state_dict) nor a callable taking the optimizer")
+    return build_lr_scheduler(config.scheduler, wrapper)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime._grad_reduce import BucketedAllReduce, GroupedReducer, ReduceOptions
+from deepspeed.runtime.grad_reduce import BucketedAllReduce, GroupedReducer, ReduceOptions
 
 
 def has_moe(module: torch.nn.Module) -> bool:
@@ -43,7 +43,7 @@ def broadcast_module(module: torch.nn.Module, dp_group: Any) -> None:
     its expert-data-parallel group (the ranks holding the same experts)."""
     import torch.distributed as dist
 
-    from deepspeed.runtime._setup import broadcast_module as broadcast_shared
+    from deepspeed.runtime.engine._module import broadcast_module as broadcast_shared
     from ds_moe import groups
     from ds_moe.utils import is_moe_param
 

@@ -1,5 +1,7 @@
-"""ZeRO stage 3 for the engine: partition the model (the model transform of ``initialize``) and build the ZeRO-3
-optimizer wrapper and its reduce-scatter from ``zero_optimization``.
+"""ZeRO stage 3 for the engine: partition the model (the model transform of ``initialize``), build the ZeRO-3
+optimizer wrapper and its reduce-scatter from ``zero_optimization``, and the engine methods that exist for ZeRO-3
+(``Zero3EngineMethods``, a mixin of ``DeepSpeedEngine``: releasing the gathered weights, and consolidating the
+partitioned weights into one 16-bit state dict for ``save_16bit_model`` and the Hugging Face / Accelerate save).
 
 Every documented ``zero_optimization`` field is either honoured by ds-zero or rejected here with the reason
 (NVMe offload comes with ZeRO-Infinity; ZeRO++ and MiCS are ``ds_zero.zeropp``; ZenFlow and the legacy stage 1
@@ -8,13 +10,16 @@ are not available).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from deepspeed import comm
-from deepspeed.runtime._setup import StageInputs, _comm_dtype, _grad_accum_fp32, _loss_scaler
-from deepspeed.runtime._zero_setup import _check_offload_optimizer, zero_plus_plus_problems
+from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, loss_scaler
+from deepspeed.runtime.engine._stages import StageInputs
+from deepspeed.runtime.engine._zero import _check_offload_optimizer, zero_plus_plus_problems
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
 
@@ -78,7 +83,7 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
                     mpu: Any = None) -> Any:
     """Partition every parameter of ``module`` over ``dp_group`` (those built under ``zero.Init`` already are)
     and install the gather/release hooks; returns the ``ParamScheduler``."""
-    from deepspeed.runtime._setup import broadcast_module
+    from deepspeed.runtime.engine._module import broadcast_module
     from ds_zero.swap.from_config import param_swap_settings, swap_params
     from ds_zero.zero3._param import PartitionSpace, convert_param, is_partitioned
     from ds_zero.zero3._schedule import ParamScheduler
@@ -165,13 +170,13 @@ def zero3_settings(config: Any) -> Any:
         bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
         contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
         ignore_unused_parameters=bool(zero.ignore_unused_parameters),
-        comm_dtype=_comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
+        comm_dtype=comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
         prescale_gradients=bool(config.prescale_gradients),
         gradient_predivide_factor=float(config.gradient_predivide_factor))
     check = (config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
-             or _loss_scaler(config) is not None)
+             or loss_scaler(config) is not None)
     return Zero3Settings(reduce=reduce, clip=float(config.gradient_clipping), check_overflow=bool(check),
-                         fp32_grad_accum=_grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
+                         fp32_grad_accum=grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
                          offload_optimizer=offload, pin_memory=bool(off.pin_memory) if offload else False,
                          load_from_fp32_weights=bool(zero.load_from_fp32_weights),
                          sub_group_size=int(zero.sub_group_size),
@@ -201,10 +206,50 @@ def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRe
     # (MiCS: its shard and replica sub-groups) pairs every rank with the partition it holds
     group = getattr(inputs.scheduler, "partition_parent", inputs.reduce_group if factor > 1 else inputs.dp_group)
     wrapper = DeepSpeedZeroOptimizer_Stage3(inputs.basic_optimizer, inputs.params, names, inputs.scheduler, settings,
-                                            loss_scaler=_loss_scaler(config),
+                                            loss_scaler=loss_scaler(config),
                                             dp_group=partition_group(group, zpp), comm=comm)
     configure_reducer(wrapper.reducer, group, zpp, comm)  # MiCS replicas, qgZ
     sum_over_sequence_ranks(wrapper.reducer, factor)
     wrapper.checkpoint_shards = (Zero3CheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                        bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer
+
+
+class Zero3EngineMethods:
+    zero3_scheduler: Any
+    module: torch.nn.Module
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter, persistent ones included (they are gathered again when next used)."""
+        if self.zero3_scheduler is not None:
+            self.zero3_scheduler.release_all(include_persistent=True)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The whole model's weights (training dtype, on the CPU) and persistent buffers, gathered module by
+        module so no rank ever holds more than one module's weights at a time beyond the result. Collective;
+        rank 0 gets the state dict, the other ranks an empty one (as in DeepSpeed)."""
+        from ds_zero.zero3 import GatheredParameters
+
+        if self.zero3_scheduler is None:
+            raise RuntimeError("_zero3_consolidated_16bit_state_dict: this engine does not run ZeRO stage 3 "
+                               f"(stage {self.zero_optimization_stage()}); use module.state_dict()")
+        keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        out: OrderedDict[str, Any] = OrderedDict()
+        seen: dict[int, torch.Tensor] = {}
+        for prefix, module in self.module.named_modules(remove_duplicate=False):
+            prefix = f"{prefix}." if prefix else ""
+            params = [p for p in module._parameters.values() if p is not None]
+            with GatheredParameters(params):
+                if not keep:
+                    continue
+                for name, p in module._parameters.items():
+                    if p is None or (exclude_frozen_parameters and not p.requires_grad):
+                        continue
+                    if id(p) not in seen:
+                        seen[id(p)] = p.detach().cpu().clone()
+                    out[prefix + name] = seen[id(p)]
+            if keep:
+                for name, buf in module._buffers.items():
+                    if buf is not None and name not in module._non_persistent_buffers_set:
+                        out[prefix + name] = buf.detach().cpu().clone()
+        return out

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from deepspeed import comm
-from deepspeed.runtime._setup import StageInputs, _comm_dtype, _grad_accum_fp32, _loss_scaler
+from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, loss_scaler
+from deepspeed.runtime.engine._stages import StageInputs
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
 
@@ -77,18 +78,18 @@ def zero_settings(config: Any) -> Any:
         contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
         use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
         ignore_unused_parameters=bool(zero.ignore_unused_parameters),
-        comm_dtype=_comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
+        comm_dtype=comm_dtype(config) or (torch.float32 if config.fp32_allreduce else None),
         prescale_gradients=bool(config.prescale_gradients),
         gradient_predivide_factor=float(config.gradient_predivide_factor),
         average=config.gradient_allreduce_op == "mean")
     check = (config.fp16_enabled or (config.precision == "bf16" and config.bf16.check_grad_overflow)
-             or _loss_scaler(config) is not None)  # torch_autocast fp16 scales the loss too
+             or loss_scaler(config) is not None)  # torch_autocast fp16 scales the loss too
     return ZeroSettings(stage=stage, reduce=reduce, allgather_bucket_numel=int(zero.allgather_bucket_size),
                         allgather_partitions=bool(zero.allgather_partitions),
                         round_robin_gradients=bool(zero.round_robin_gradients),
                         load_from_fp32_weights=bool(zero.load_from_fp32_weights),
                         clip=float(config.gradient_clipping), check_overflow=bool(check),
-                        fp32_grad_accum=_grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
+                        fp32_grad_accum=grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
                         offload_device=offload,
                         pin_memory=bool(off.pin_memory) if offload else False)
 
@@ -155,7 +156,7 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
         group_comms = zero12_group_comms(inputs.basic_optimizer, group, inputs.dp_world_size)
     # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
     wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
-                                     loss_scaler=_loss_scaler(config), dp_group=group, comm=comm,
+                                     loss_scaler=loss_scaler(config), dp_group=group, comm=comm,
                                      norm_scope=norm_scope(inputs.mpu), group_comms=group_comms)
     wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                       bf16=config.precision == "bf16"),)

@@ -1,0 +1,39 @@
+"""The model on its way into the engine: its device and training dtype, and the same weights on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -> torch.nn.Module:
+    """Move ``module`` to ``device`` and cast its floating-point parameters to the training dtype (fp16/bf16).
+
+    Buffers keep the dtype they were loaded with (fp32 BatchNorm statistics, rotary ``inv_freq``), as DeepSpeed
+    0.19.6+ does; ``data_types.buffer_dtype`` casts them (``_engine_setup.cast_buffers``)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"deepspeed.initialize: model must be a torch.nn.Module, got {type(module).__name__}")
+    module.to(device)
+    low = LOW_DTYPES.get(config.precision)
+    if low is not None:
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.is_floating_point() and param.dtype != low:
+                    param.data = param.data.to(low)
+    return module
+
+
+def broadcast_module(module: torch.nn.Module, dp_group: Any, params: list[torch.nn.Parameter] | None = None) -> None:
+    """Give every data-parallel rank rank 0's parameters (``params``, default all) and buffers (ranks may have
+    initialised differently)."""
+    if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return
+    src = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
+    params = list(module.parameters()) if params is None else params
+    with torch.no_grad():
+        for tensor in [*params, *module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=dp_group)
