@@ -101,7 +101,7 @@ def test_cpu_device_count_follows_local_size_then_numa(monkeypatch):
 
 
 def test_numa_core_lists_reads_sysfs(tmp_path):
-    from deepspeed.launcher._resources import numa_core_lists
+    from deepspeed.launcher.resources import numa_core_lists
 
     for node, cpus in ((1, "4-5,7\n"), (0, "0-3\n"), (2, "\n")):
         (tmp_path / f"node{node}").mkdir()

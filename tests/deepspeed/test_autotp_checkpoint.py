@@ -99,7 +99,7 @@ def test_a_non_autotp_model_parallel_layout_is_refused():
     """An AutoTP file (full weights) is not loaded by an engine whose model parallelism is not AutoTP's (an
     ``mpu`` whose files hold per-rank shards), and vice versa; same-size AutoTP loads are not checked."""
     from deepspeed.runtime.checkpointing import CheckpointError, EngineState, ParallelInfo
-    from deepspeed.runtime.checkpointing._tp_resize import check_tp_resize
+    from deepspeed.runtime.checkpointing.tp_resize import check_tp_resize
 
     class AutoTP:
         owns_optimizer_state, autotp_size = False, 2
@@ -171,7 +171,7 @@ def test_autotp_resume_through_a_universal_checkpoint_is_exact(tmp_path, tp_from
 
 def test_assemble_puts_fused_pieces_back():
     """Two ranks holding Q/K/V pieces each: the shards go back to their ranges of the full dimension."""
-    from deepspeed.checkpoint._autotp_universal import assemble
+    from deepspeed.checkpoint.autotp_universal import assemble
     from ds_inference.autotp._sharding import ShardMeta, make_layout
 
     layout = make_layout([4, 2, 2], ShardMeta(tp_size=2, tp_grain_size=1), by_heads=False)

@@ -88,7 +88,7 @@ def test_partition_config_has_the_highest_priority(reference):
 
 def _errors() -> list[str]:
     import deepspeed
-    from deepspeed.runtime.engine import _autotp as _autotp_setup
+    from deepspeed.runtime import autotp as _autotp_setup
     from ds_config import ConfigError
 
     messages = []
@@ -185,7 +185,7 @@ def test_four_ranks_tensor_and_data_parallel_train_like_one_rank():
 
 
 def test_data_groups_follow_the_given_tensor_groups():
-    from deepspeed.runtime.engine._autotp import data_parallel_ranks
+    from deepspeed.runtime.autotp import data_parallel_ranks
 
     assert data_parallel_ranks([[0, 1], [2, 3]], 4) == [[0, 2], [1, 3]]
     assert data_parallel_ranks([[0, 2], [1, 3]], 4) == [[0, 1], [2, 3]]  # strided tensor groups
@@ -197,7 +197,7 @@ def _strided_tp_group() -> tuple:
     """tp_model_init's tp_group holding ranks {0, 2} / {1, 3}: the data groups are {0, 1} / {2, 3}."""
     import torch.distributed as dist
 
-    from deepspeed.runtime.engine._autotp import _GroupMpu
+    from deepspeed.runtime.autotp import _GroupMpu
 
     tensor = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     mpu = _GroupMpu(tensor[dist.get_rank() % 2])
@@ -215,7 +215,7 @@ def test_a_strided_tp_group_gets_the_matching_data_groups():
 
 
 def test_rule_priority_and_use_default_specs():
-    from deepspeed.runtime.engine._autotp import layer_specs
+    from deepspeed.runtime.autotp import layer_specs
     from ds_config.parallel import TensorParallelConfig
 
     def patterns(section: dict, plan: bool) -> list[str] | None:

@@ -473,7 +473,7 @@ def test_disabled_autotuning_costs_the_engine_nothing():
     import subprocess
     import types
 
-    from deepspeed.autotuning._probe import attach_probe
+    from deepspeed.autotuning.probe import attach_probe
     from ds_config import AutotuningConfig
 
     module = torch.nn.Linear(2, 2)
@@ -482,7 +482,7 @@ def test_disabled_autotuning_costs_the_engine_nothing():
     code = ("import sys, deepspeed.runtime.engine; "
             "print(sorted(m for m in sys.modules if m.startswith('deepspeed.autotuning')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.split("\n")[-2] == "['deepspeed.autotuning', 'deepspeed.autotuning._probe']", out.stderr
+    assert out.stdout.split("\n")[-2] == "['deepspeed.autotuning', 'deepspeed.autotuning.probe']", out.stderr
 
 
 def test_probe_writes_metrics_then_exits(tmp_path):

@@ -196,7 +196,8 @@ class _FailingWrites:
 
 
 def _save_failing(save_dir: str, stage: int, code: int, failing_rank: int) -> dict:
-    from deepspeed.runtime.checkpointing import CheckpointRankError, _atomic
+    from deepspeed.runtime.checkpointing import CheckpointRankError
+    from deepspeed.runtime.checkpointing import atomic as _atomic
 
     engine = _engine(stage)
     _train(engine, 1)

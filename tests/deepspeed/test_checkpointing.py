@@ -11,7 +11,7 @@ import torch
 from _checkpoint_testing import assert_same_tensors
 
 import deepspeed.runtime.checkpointing as ckpt
-from deepspeed.runtime.checkpointing import _atomic
+from deepspeed.runtime.checkpointing import atomic as _atomic
 from ds_config.checkpoint import CheckpointConfig
 
 

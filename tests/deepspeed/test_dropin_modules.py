@@ -275,7 +275,7 @@ def test_core_list_strings_round_trip(cores):
 
 
 def test_numa_cores_are_the_launchers():
-    from deepspeed.launcher._resources import numa_core_lists
+    from deepspeed.launcher.resources import numa_core_lists
 
     assert numa.get_numa_cores() == numa_core_lists()
 

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from deepspeed.launcher import launch, launcher_helper, runner
-from deepspeed.launcher._resources import exported_environment, read_deepspeed_env
 from deepspeed.launcher.multinode_runner import (
     HELPER_SCRIPT,
     IMPIRunner,
@@ -22,6 +21,7 @@ from deepspeed.launcher.multinode_runner import (
     PDSHRunner,
     SlurmRunner,
 )
+from deepspeed.launcher.resources import exported_environment, read_deepspeed_env
 
 PY = sys.executable
 ACTIVE = collections.OrderedDict([("w0", [0, 1]), ("w1", [0, 1])])
@@ -341,7 +341,7 @@ def test_runner_start_up_does_not_import_torch():
 
 
 def test_core_lists_and_split():
-    from deepspeed.launcher._resources import parse_core_list, split_cores
+    from deepspeed.launcher.resources import parse_core_list, split_cores
 
     assert parse_core_list("1,3-5,7") == [1, 3, 4, 5, 7]
     assert parse_core_list("4,0-1,4") == [4, 0, 1]

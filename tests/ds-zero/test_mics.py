@@ -78,7 +78,7 @@ def _with_sequence_parallelism() -> dict:
     group). Gradients are summed over the sequence ranks and averaged over data parallelism, so SGD at ``lr``
     equals plain ZeRO-3 (averaged over the 4 ranks) at ``2 lr``."""
     import deepspeed
-    from deepspeed.sequence._groups import SequenceParallelGroups
+    from deepspeed.sequence.groups import SequenceParallelGroups
     from ds_config import ConfigError
 
     cfg, lr = common.config, 0.1

@@ -13,7 +13,7 @@ import importlib
 import re
 from typing import Any
 
-from deepspeed import _compat
+from deepspeed import compat as _compat
 from deepspeed.__about__ import __version__
 
 _compat.install()
@@ -49,7 +49,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "add_tuning_arguments": ("deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
     "comm": ("deepspeed.comm", None),
     "initialize": ("deepspeed._initialize", "initialize"),
-    "tp_model_init": ("deepspeed.runtime.engine._autotp", "tp_model_init"),
+    "tp_model_init": ("deepspeed.runtime.autotp", "tp_model_init"),
     "set_autotp_mode": ("ds_inference.autotp", "set_autotp_mode"),
     "init_distributed": ("deepspeed.comm.comm", "init_distributed"),
     "log_dist": ("deepspeed.utils", "log_dist"),

@@ -93,11 +93,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         mpu, engine_class = pipeline_mpu(pipe, mpu), PipelineEngine
     ds_config = load_config(source)
     if pipe is None:  # AutoTP: shard the model, tensor/data groups as the mpu
-        from deepspeed.runtime.engine._autotp import apply_autotp
+        from deepspeed.runtime.autotp import apply_autotp
 
         mpu, model_parameters, optimizer = apply_autotp(model, ds_config, mpu, model_parameters, optimizer)
     if ds_config.sequence_parallel_size > 1 or mpu is not None:  # sequence groups of the config's size
-        from deepspeed.sequence._groups import sequence_mpu
+        from deepspeed.sequence.groups import sequence_mpu
 
         mpu = sequence_mpu(mpu, ds_config.sequence_parallel_size)
     if mpu is not None:

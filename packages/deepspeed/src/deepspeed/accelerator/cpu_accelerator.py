@@ -13,7 +13,7 @@ import resource
 import torch
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator, local_rank_from_env
-from deepspeed.launcher._resources import local_size, numa_accelerator_count, numa_core_lists
+from deepspeed.launcher.resources import local_size, numa_accelerator_count, numa_core_lists
 
 _PROC_STATUS = "/proc/self/status"
 

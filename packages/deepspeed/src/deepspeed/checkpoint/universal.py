@@ -12,12 +12,14 @@ TP size than the converted checkpoint's reads ``mp_rank_00`` (full weights) and 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepspeed.runtime.checkpointing._errors import CheckpointError
-from deepspeed.runtime.checkpointing._layout import model_states_name, read_latest, validate_tag
-from deepspeed.runtime.checkpointing._tp_resize import fallback_model_states_path
+import torch
+
+from deepspeed.runtime.checkpointing.errors import CheckpointError
+from deepspeed.runtime.checkpointing.layout import model_states_name, read_latest, validate_tag
+from deepspeed.runtime.checkpointing.tp_resize import fallback_model_states_path
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_FOLDER = "zero"
@@ -68,8 +70,6 @@ def load_universal_shard(shard: Any, ctx: Any, load: Callable[[str], Any]) -> No
 def load_stage0_universal(state: Any, ctx: Any, load: Callable[[str], Any]) -> None:
     """Without ZeRO (an ``FP32Optimizer`` wrapper): the optimizer's state from the ``zero/<name>/`` folders of its
     parameters (by name, so any tensor-parallel size: ``load`` cuts AutoTP shards); ZeRO restores its own."""
-    from deepspeed.checkpoint._autotp_universal import load_stage0_optimizer, stage0_optimizer
-
     found = stage0_optimizer(state.optimizer, state.module)
     if found is not None:
         load_stage0_optimizer(*found, ctx, load)
@@ -100,3 +100,37 @@ def stage0_optimizer_state(ctx: Any, load: Callable[[str], Any], names: list[str
     groups = [{**{k: v for k, v in old.items() if k != "params"}, "params": now["params"]}
               for old, now in zip(saved, current_groups, strict=True)]
     return {"state": state, "param_groups": groups}, common
+
+
+def stage0_optimizer(wrapper: Any, module: torch.nn.Module) -> tuple[Any, list[torch.nn.Parameter], list[str]] | None:
+    """(wrapper, its model parameters in state order, their names in ``module``) of a ZeRO-0 optimizer wrapper
+    (``FP32Optimizer``), else None (no optimizer, or ZeRO: its own files and universal load)."""
+    from deepspeed.runtime.precision.optimizers import FP32Optimizer
+
+    if not isinstance(wrapper, FP32Optimizer):
+        return None
+    params = getattr(wrapper, "model_params", None)
+    params = list(params) if params is not None else [p for g in wrapper.optimizer.param_groups for p in g["params"]]
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return wrapper, params, [names[id(p)] for p in params]
+
+
+def load_stage0_optimizer(wrapper: Any, params: Sequence[torch.nn.Parameter], names: Sequence[str], ctx: Any,
+                          load: Any) -> None:
+    """Fill a ZeRO-0 optimizer wrapper (``FP32Optimizer``) from the ``zero/<name>/`` folders: ``load`` (the AutoTP
+    universal reader) returns this rank's shard of each value and moment; mixed-precision masters take fp32.pt."""
+    from ds_zero.checkpoint import read_universal
+
+    masters = getattr(wrapper, "master_of", {})
+    for name, param in zip(names, params, strict=True):
+        if param in masters:
+            with torch.no_grad():
+                masters[param].copy_(read_universal(ctx, load, name, "fp32", param.numel()).view(param.shape))
+    optimizer_state, common = stage0_optimizer_state(ctx, load, list(names), list(params),
+                                                     wrapper.optimizer.state_dict()["param_groups"])
+    restored: dict[str, Any] = {"optimizer_state_dict": optimizer_state}
+    if common.get("loss_scaler"):
+        restored["loss_scaler"] = common["loss_scaler"]
+    wrapper.load_state_dict(restored)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspeed.compression.utils import SYMMETRIC, TopKBinarizer, fake_quantize, topk_mask
+from deepspeed.compression.utils import SYMMETRIC, QuantAct, TopKBinarizer, fake_quantize, topk_mask
 
 PRUNING_METHODS = ("l1", "topk")
 # learnable score parameter of each pruning kind (DeepSpeed's names, so its checkpoints keep loading)
@@ -178,8 +178,6 @@ class CompressionMixin:
     def enable_activation_quantization(self, bits: int, quantization_type: str, range_calibration: str) -> None:
         """Quantize this layer's input to ``bits``: per token/image (``dynamic``) or with a momentum-tracked
         min/max (``static``)."""
-        from deepspeed.compression.basic_layer import QuantAct
-
         if bits < 2:
             raise ValueError(f"activation quantization needs at least 2 bits, got {bits}")
         if range_calibration not in ("static", "dynamic"):

@@ -17,7 +17,7 @@ from deepspeed.compression._mixin import (
     output_mask,
     replace_parameter,
 )
-from deepspeed.compression.utils import SYMMETRIC, quantize_asymmetric, quantize_symmetric
+from deepspeed.compression.utils import QuantAct as QuantAct  # DeepSpeed's path for it
 
 
 def _keep_outputs(layer: nn.Module, keep: torch.Tensor, dim_reduction: bool) -> None:
@@ -31,37 +31,6 @@ def _keep_outputs(layer: nn.Module, keep: torch.Tensor, dim_reduction: bool) -> 
         layer.weight.data.mul_(output_mask(keep, layer.weight).to(layer.weight.dtype))
         if layer.bias is not None:
             layer.bias.data.mul_(keep.to(layer.bias.dtype))
-
-
-class QuantAct(nn.Module):
-    """Static activation quantization: one range for all tokens/images, tracked with momentum
-    ``act_range_momentum`` in training and fixed in eval (fast inference, some accuracy cost)."""
-
-    def __init__(self, act_range_momentum: float = 0.95, quant_mode: str = SYMMETRIC) -> None:
-        super().__init__()
-        self.act_range_momentum = act_range_momentum
-        self.quant_mode = quant_mode
-        self.register_buffer("x_min_max", torch.zeros(2))
-
-    @torch.no_grad()
-    def _track(self, x: torch.Tensor) -> None:
-        lo, hi = x.detach().min().float(), x.detach().max().float()
-        if self.x_min_max[0] == self.x_min_max[1]:  # first batch: start from its range
-            self.x_min_max[0], self.x_min_max[1] = lo, hi
-        m = self.act_range_momentum
-        self.x_min_max[0] = self.x_min_max[0] * m + lo * (1 - m)
-        self.x_min_max[1] = self.x_min_max[1] * m + hi * (1 - m)
-
-    def forward(self, x: torch.Tensor, num_bits: int, *args: object) -> torch.Tensor:
-        # an uncalibrated range would quantize everything to 0: calibrate on the first batch even in eval
-        if self.training or self.x_min_max[0] == self.x_min_max[1]:
-            self._track(x)
-        lo, hi = self.x_min_max[0], self.x_min_max[1]
-        if self.quant_mode == SYMMETRIC:
-            q = quantize_symmetric(x, num_bits, 1, max_abs=torch.maximum(lo.abs(), hi.abs()))
-        else:
-            q = quantize_asymmetric(x, num_bits, 1, min_max=(lo, hi))
-        return x + (q - x).detach()  # straight-through gradient
 
 
 class LinearLayer_Compress(CompressionMixin, nn.Linear):  # DeepSpeed's class name

@@ -4,6 +4,6 @@
 Nothing here imports torch: the ranks do.
 """
 
-from deepspeed._compat import submodule_getattr
+from deepspeed.compat import submodule_getattr
 
 __getattr__ = submodule_getattr(__name__)  # submodules as attributes, as in DeepSpeed

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from deepspeed.launcher._elastic import resolve_elastic_nodes, torchrun_command, unsupported_flags
 from deepspeed.launcher._hostfile import HostfileError, decode_world_info
 from deepspeed.launcher._procs import RankGroup, RankSpec
-from deepspeed.launcher._resources import local_gpu_count, parse_core_list, split_cores
 from deepspeed.launcher.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.launcher.resources import local_gpu_count, parse_core_list, split_cores
 
 
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:

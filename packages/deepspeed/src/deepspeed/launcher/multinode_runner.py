@@ -28,7 +28,6 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
-from deepspeed.launcher._resources import local_gpu_count, parse_core_list, split_cores
 from deepspeed.launcher.constants import (
     IMPI_LAUNCHER,
     MPICH_LAUNCHER,
@@ -39,6 +38,7 @@ from deepspeed.launcher.constants import (
     PDSH_MAX_FAN_OUT,
     SLURM_LAUNCHER,
 )
+from deepspeed.launcher.resources import local_gpu_count, parse_core_list, split_cores
 
 Resources = Mapping[str, list[int]]
 HELPER_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "launcher_helper.py")

@@ -28,7 +28,6 @@ from deepspeed.launcher._hostfile import (
     parse_inclusion_exclusion,
     parse_resource_filter,
 )
-from deepspeed.launcher._resources import exported_environment, local_gpu_count, local_slot_count, read_deepspeed_env
 from deepspeed.launcher.constants import (
     DEEPSPEED_ENVIRONMENT_NAME,
     DLTS_HOSTFILE,
@@ -37,6 +36,7 @@ from deepspeed.launcher.constants import (
     TORCH_DISTRIBUTED_DEFAULT_PORT,
 )
 from deepspeed.launcher.multinode_runner import RUNNERS, PDSHRunner
+from deepspeed.launcher.resources import exported_environment, local_gpu_count, local_slot_count, read_deepspeed_env
 
 __all__ = ["fetch_hostfile", "parse_inclusion_exclusion", "parse_resource_filter", "encode_world_info",
            "parse_args", "main", "cli", "_parse_hostfile", "run_autotuning"]

@@ -7,7 +7,7 @@ layer (``auto_ep_layer``, from ``ds_moe.autoep``).
 
 from typing import Any
 
-from deepspeed._compat import not_built_message, submodule_getattr
+from deepspeed.compat import not_built_message, submodule_getattr
 from ds_inference.autotp import (
     AutoTP,
     AutoTPConfig,

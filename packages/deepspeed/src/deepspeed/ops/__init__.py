@@ -3,7 +3,7 @@
 
 from typing import Any
 
-from deepspeed._compat import submodule_getattr
+from deepspeed.compat import submodule_getattr
 
 _submodule = submodule_getattr(__name__)
 

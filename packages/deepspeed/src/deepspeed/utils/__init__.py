@@ -9,7 +9,7 @@ so ``import deepspeed`` stays free of torch.
 
 from typing import Any
 
-from deepspeed._compat import submodule_getattr
+from deepspeed.compat import submodule_getattr
 from deepspeed.utils.logging import get_log_level_from_string, log_dist, logger, set_log_level_from_string
 
 _ZERO_DEBUG = (

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from deepspeed.launcher._resources import numa_core_lists
+from deepspeed.launcher.resources import numa_core_lists
 
 __all__ = ["check_for_numactl_pkg", "get_numa_cores", "get_numactl_cmd", "parse_range", "parse_range_list"]
 

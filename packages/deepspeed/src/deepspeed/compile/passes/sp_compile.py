@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.overrides import TorchFunctionMode
 
-from deepspeed.compile import _all_to_all
+from deepspeed.compile import all_to_all as _all_to_all
 
 INPUT_ID, LABEL_ID, POSITION_ID = "input_id", "label_id", "position_id"  # DeepSpeed's tags
 _SHARDED_TAGS = (INPUT_ID, LABEL_ID, POSITION_ID)

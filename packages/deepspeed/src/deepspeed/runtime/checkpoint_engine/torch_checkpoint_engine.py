@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
-from deepspeed.runtime.checkpointing._serialize import load_file, save_file
+from deepspeed.runtime.checkpointing.serialize import load_file, save_file
 
 
 class TorchCheckpointEngine(CheckpointEngine):

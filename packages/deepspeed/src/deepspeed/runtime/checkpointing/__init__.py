@@ -67,27 +67,9 @@ Behaviour:
 """
 
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
-from deepspeed.runtime.checkpointing._errors import (
-    CheckpointError,
-    CheckpointRankError,
-    CheckpointSyncError,
-    CheckpointTagError,
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-)
-from deepspeed.runtime.checkpointing._layout import (
-    LATEST_FILE,
-    default_tag,
-    layer_states_name,
-    model_states_name,
-    pipeline_layer_range,
-    read_latest,
-    zero_optim_states_name,
-)
 from deepspeed.runtime.checkpointing._load import load_checkpoint
 from deepspeed.runtime.checkpointing._pipeline import PipelineLayerShards
 from deepspeed.runtime.checkpointing._save import model_states, save_checkpoint
-from deepspeed.runtime.checkpointing._serialize import load_file, save_file
 from deepspeed.runtime.checkpointing._sixteen_bit import save_16bit_model
 from deepspeed.runtime.checkpointing._state import (
     CheckpointShards,
@@ -99,6 +81,24 @@ from deepspeed.runtime.checkpointing._state import (
     SyncOptions,
     TrainingCounters,
 )
+from deepspeed.runtime.checkpointing.errors import (
+    CheckpointError,
+    CheckpointRankError,
+    CheckpointSyncError,
+    CheckpointTagError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+from deepspeed.runtime.checkpointing.layout import (
+    LATEST_FILE,
+    default_tag,
+    layer_states_name,
+    model_states_name,
+    pipeline_layer_range,
+    read_latest,
+    zero_optim_states_name,
+)
+from deepspeed.runtime.checkpointing.serialize import load_file, save_file
 
 __all__ = [
     "LATEST_FILE",

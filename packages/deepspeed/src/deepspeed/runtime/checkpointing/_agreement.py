@@ -35,7 +35,7 @@ import errno
 import json
 from typing import Any, NamedTuple
 
-from deepspeed.runtime.checkpointing._errors import CheckpointRankError
+from deepspeed.runtime.checkpointing.errors import CheckpointRankError
 
 MAX_CAUSE = 600  # characters: keeps the store values small and the message readable
 _OK = "ok"

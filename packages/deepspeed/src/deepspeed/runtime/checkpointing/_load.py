@@ -15,13 +15,13 @@ from typing import Any
 from deepspeed.checkpoint import universal as uc
 from deepspeed.runtime.checkpointing._agreement import agree
 from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
-from deepspeed.runtime.checkpointing._errors import CheckpointError, CorruptCheckpointError
-from deepspeed.runtime.checkpointing._layout import LATEST_FILE, model_states_name, read_latest, validate_tag
 from deepspeed.runtime.checkpointing._restore import LoadOptions, prepare_restore
 from deepspeed.runtime.checkpointing._state import EngineState, per_rank_model_states
 from deepspeed.runtime.checkpointing._sync import check_same_call, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
-from deepspeed.runtime.checkpointing._tp_resize import fallback_model_states_path
+from deepspeed.runtime.checkpointing.errors import CheckpointError, CorruptCheckpointError
+from deepspeed.runtime.checkpointing.layout import LATEST_FILE, model_states_name, read_latest, validate_tag
+from deepspeed.runtime.checkpointing.tp_resize import fallback_model_states_path
 from deepspeed.utils.logging import logger
 
 _OP = "load_checkpoint"

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime.checkpointing._checks import check_module_weights
-from deepspeed.runtime.checkpointing._errors import CheckpointError
-from deepspeed.runtime.checkpointing._layout import layer_states_name, pipeline_layer_range
-from deepspeed.runtime.checkpointing._serialize import module_state_dict
 from deepspeed.runtime.checkpointing._state import ShardContext
+from deepspeed.runtime.checkpointing.checks import check_module_weights
+from deepspeed.runtime.checkpointing.errors import CheckpointError
+from deepspeed.runtime.checkpointing.layout import layer_states_name, pipeline_layer_range
+from deepspeed.runtime.checkpointing.serialize import module_state_dict
 
 
 class PipelineLayerShards:

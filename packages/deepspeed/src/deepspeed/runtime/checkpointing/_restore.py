@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from deepspeed.checkpoint import universal as uc
-from deepspeed.runtime.checkpointing._checks import check_module_weights, content_error
-from deepspeed.runtime.checkpointing._errors import CheckpointError
-from deepspeed.runtime.checkpointing._serialize import load_file
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext
-from deepspeed.runtime.checkpointing._tp_resize import check_tp_resize
+from deepspeed.runtime.checkpointing.checks import check_module_weights, content_error
+from deepspeed.runtime.checkpointing.errors import CheckpointError
+from deepspeed.runtime.checkpointing.serialize import load_file
+from deepspeed.runtime.checkpointing.tp_resize import check_tp_resize
 from deepspeed.utils.logging import logger
 
 # keys the engine consumes; the rest of the file comes back as client state (as in DeepSpeed)

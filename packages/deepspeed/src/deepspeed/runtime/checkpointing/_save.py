@@ -18,7 +18,11 @@ from typing import Any
 
 from deepspeed.__about__ import __version__
 from deepspeed.runtime.checkpointing._agreement import agree
-from deepspeed.runtime.checkpointing._atomic import (
+from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
+from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
+from deepspeed.runtime.checkpointing._sync import arrive, open_meeting
+from deepspeed.runtime.checkpointing._tags import validate_tags
+from deepspeed.runtime.checkpointing.atomic import (
     atomic_write_text,
     commit,
     discard,
@@ -26,9 +30,8 @@ from deepspeed.runtime.checkpointing._atomic import (
     make_dirs,
     stage_write,
 )
-from deepspeed.runtime.checkpointing._engine_adapter import as_engine_state
-from deepspeed.runtime.checkpointing._errors import CheckpointError
-from deepspeed.runtime.checkpointing._layout import (
+from deepspeed.runtime.checkpointing.errors import CheckpointError
+from deepspeed.runtime.checkpointing.layout import (
     LATEST_FILE,
     default_tag,
     latest_writer,
@@ -37,15 +40,12 @@ from deepspeed.runtime.checkpointing._layout import (
     validate_tag,
     writer_rank,
 )
-from deepspeed.runtime.checkpointing._serialize import (
+from deepspeed.runtime.checkpointing.serialize import (
     compact_for_save,
     module_state_dict,
     stage_file,
     with_deepspeed_objects,
 )
-from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, per_rank_model_states
-from deepspeed.runtime.checkpointing._sync import arrive, open_meeting
-from deepspeed.runtime.checkpointing._tags import validate_tags
 
 _OP = "save_checkpoint"
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed.runtime.checkpointing._atomic import atomic_write, make_dirs
 from deepspeed.runtime.checkpointing._engine_adapter import unwrap_module
-from deepspeed.runtime.checkpointing._serialize import compact_for_save, module_state_dict, save_file
+from deepspeed.runtime.checkpointing.atomic import atomic_write, make_dirs
+from deepspeed.runtime.checkpointing.serialize import compact_for_save, module_state_dict, save_file
 
 
 def _safetensors_bytes(state_dict: dict[str, Any]) -> bytes:

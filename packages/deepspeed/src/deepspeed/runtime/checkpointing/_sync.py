@@ -30,8 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from deepspeed.runtime.checkpointing._errors import CheckpointError, CheckpointSyncError
 from deepspeed.runtime.checkpointing._state import SyncOptions
+from deepspeed.runtime.checkpointing.errors import CheckpointError, CheckpointSyncError
 from deepspeed.runtime.peer_failure import peer_states
 
 _PREFIX = "ds_ckpt"

@@ -6,7 +6,7 @@ resuming with a different world size; DeepSpeed warns by default.
 
 from __future__ import annotations
 
-from deepspeed.runtime.checkpointing._errors import CheckpointTagError
+from deepspeed.runtime.checkpointing.errors import CheckpointTagError
 from deepspeed.utils.logging import logger
 
 

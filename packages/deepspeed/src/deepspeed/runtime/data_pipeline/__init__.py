@@ -5,6 +5,6 @@ RandomLayerTokenDrop, convert_to_random_ltd) and ``data_sampling`` (DataAnalyzer
 MMapIndexedDataset, dynamic batching in ``variable_batch_size_and_lr``).
 """
 
-from deepspeed._compat import submodule_getattr
+from deepspeed.compat import submodule_getattr
 
 __getattr__ = submodule_getattr(__name__)

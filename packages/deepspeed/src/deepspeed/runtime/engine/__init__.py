@@ -53,6 +53,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
     a dataset for ``training_dataloader``; ``mpu`` a model-parallel unit or ``dp_group`` the data-parallel
     group (default: the whole world). Built by ``deepspeed.initialize``."""
 
+    pipeline_parallelism = False  # DeepSpeed's attribute: whether this engine runs a PipelineModule
+
     def __init__(self, model: torch.nn.Module, config: Any, optimizer: Any = None, model_parameters: Any = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
                  mpu: Any = None, dp_group: Any = None) -> None:
@@ -409,7 +411,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                 return False
             state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         elif self.mp_world_size > 1:  # AutoTP: the full weights, gathered over the tensor group (collective)
-            from deepspeed.runtime.engine._autotp import full_module_state
+            from deepspeed.runtime.autotp import full_module_state
 
             state_dict = full_module_state(self.module)
         return checkpointing.save_16bit_model(self, save_dir, save_filename,
@@ -421,7 +423,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         """``torch.compile`` the wrapped module in place (``compile_kwargs`` over the ``compile`` section's
         ``kwargs``); with ``compile.deepcompile`` and ``passes: ["autosp"]``, through the AutoSP pass
         (``deepspeed.compile``). ``schedule`` and ``compiled_autograd_enabled`` are DeepCompile's ZeRO options."""
-        from deepspeed.compile._engine import compile_engine
+        from deepspeed.compile.engine import compile_engine
 
         compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
         self._is_compiled = True

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.checkpointing import CheckpointError, ShardContext
-from deepspeed.runtime.checkpointing._checks import content_error
-from deepspeed.runtime.checkpointing._serialize import compact_for_save
+from deepspeed.runtime.checkpointing.checks import content_error
+from deepspeed.runtime.checkpointing.serialize import compact_for_save
 
 _EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 

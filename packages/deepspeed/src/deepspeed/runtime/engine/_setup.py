@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
-from deepspeed.autotuning._probe import attach_probe as attach_autotuning_probe
+from deepspeed.autotuning.probe import attach_probe as attach_autotuning_probe
 from deepspeed.runtime.engine import _data_efficiency, _module, _moe, _pld, _reporting
 from deepspeed.utils import log_dist
 from ds_config import ConfigError, ConfigProblem
@@ -146,7 +146,7 @@ def add_checkpoint_shards(engine: Any) -> None:
 
         engine.checkpoint_shards = (*engine.checkpoint_shards, MoECheckpointShards(engine))
     if engine.mp_world_size > 1:  # AutoTP-sharded layers: full weights in the checkpoints
-        from deepspeed.runtime.engine._autotp import checkpoint_shards
+        from deepspeed.runtime.autotp import checkpoint_shards
 
         engine.checkpoint_shards = checkpoint_shards(engine)
 
@@ -163,7 +163,7 @@ def attach_features(engine: Any, config: Any, training_data: Any, collate_fn: An
     engine.flops_profiler = _reporting.build_flops_profiler(engine.module, config, engine)
     engine.autotuning_probe = attach_autotuning_probe(engine, config.autotuning)  # writes metrics, then exits
     if config.compile.deepcompile:  # as in DeepSpeed, DeepCompile runs at engine.compile(); checked now
-        from deepspeed.compile._engine import check_deepcompile
+        from deepspeed.compile.engine import check_deepcompile
 
         check_deepcompile(config.compile)
     elif config.compile.enabled:

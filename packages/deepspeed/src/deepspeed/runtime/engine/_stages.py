@@ -100,7 +100,7 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
                                             "fp32; accepted: fp32", config.data_types.grad_accum_dtype))
         wrapper = FP32Optimizer(inputs.basic_optimizer, **common)
     if getattr(inputs.basic_optimizer, "communicates_gradients", False):  # 1-bit optimizers average themselves
-        from deepspeed.runtime.fp16.onebit._engine import attach  # (DeepSpeed: enable_backward_allreduce=False)
+        from deepspeed.runtime.fp16.onebit.engine_hooks import attach  # (DeepSpeed: enable_backward_allreduce=False)
 
         return wrapper, attach(inputs.basic_optimizer, wrapper, inputs.dp_group)
     group = inputs.dp_group if inputs.reduce_group is None else inputs.reduce_group

@@ -186,7 +186,7 @@ def zero3_settings(config: Any) -> Any:
 def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """The ZeRO-3 optimizer wrapper over the partitioned model and its reduce-scatter."""
     from deepspeed.__about__ import __version__
-    from deepspeed.sequence._groups import sequence_factor, sum_over_sequence_ranks
+    from deepspeed.sequence.groups import sequence_factor, sum_over_sequence_ranks
     from ds_zero.zero3.checkpoint_shards import Zero3CheckpointShards
     from ds_zero.zero3.optimizer import DeepSpeedZeroOptimizer_Stage3
     from ds_zero.zeropp.options import ZeroPPOptions, configure_reducer, partition_group

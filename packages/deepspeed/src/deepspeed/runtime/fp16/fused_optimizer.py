@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime.fp16._legacy import LegacyMixedPrecision
+from deepspeed.runtime.fp16.legacy import LegacyMixedPrecision
 from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig, LossScaleProfile
 
 __all__ = ["FP16_Optimizer"]

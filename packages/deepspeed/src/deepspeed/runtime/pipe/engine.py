@@ -60,6 +60,8 @@ class PipelineEngine(DeepSpeedEngine):
 
     ``has_bool_tensors`` is accepted for DeepSpeed compatibility: boolean activations always travel (as uint8)."""
 
+    pipeline_parallelism = True
+
     def __init__(self, model: PipelineModule, config: Any, *args: Any, has_bool_tensors: bool = False,
                  **kwargs: Any) -> None:
         if not isinstance(model, PipelineModule):

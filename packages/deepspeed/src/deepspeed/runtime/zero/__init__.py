@@ -3,7 +3,7 @@
 ``stage3``, ``partition_parameters``, ...) are rows of ``deepspeed._compat_paths`` served by ds-zero/ds-config;
 ``linear``, ``leaf_module_config`` and ``generation`` are modules of this package."""
 
-from deepspeed._compat import submodule_getattr
+from deepspeed.compat import submodule_getattr
 from deepspeed.runtime.zero.generation import unwrap_model_for_generation
 from ds_zero.partition_parameters import ZeroParamType
 from ds_zero.zero3 import (

@@ -6,6 +6,6 @@ writes the ``MMapIndexedDataset`` files both use; ``variable_batch_size_and_lr``
 micro batches and scales the LR by batch size (dynamic batching); ``utils`` holds the small shared helpers.
 """
 
-from deepspeed._compat import submodule_getattr
+from deepspeed.compat import submodule_getattr
 
 __getattr__ = submodule_getattr(__name__)

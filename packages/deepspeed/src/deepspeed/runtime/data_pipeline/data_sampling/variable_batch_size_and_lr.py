@@ -393,7 +393,6 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     A pipeline engine gets micro batches of equal sample counts, padded with ``sample_padding_fn`` when given
     (without it, ``dataloader_collate_fn`` must make their shapes equal)."""
     from deepspeed.runtime.lr_schedules import get_torch_optimizer
-    from deepspeed.runtime.pipe.engine import PipelineEngine
 
     efficiency = engine._config.data_efficiency
     sampling = efficiency.data_sampling
@@ -406,7 +405,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     schedule = engine.lr_scheduler
     if isinstance(schedule, VariableBatchSizeLR):  # built again (a second deepspeed_io): wrap the original
         schedule = schedule.unwrap()
-    pipeline = isinstance(engine, PipelineEngine)
+    pipeline = bool(getattr(engine, "pipeline_parallelism", False))
     dp_rank = torch.distributed.get_rank(engine.dp_group) if engine.dp_world_size > 1 else 0
     return get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset, dataset_seqlens, batching.max_tokens, engine.train_batch_size(), dataset_filter_ids,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime.checkpointing._errors import CorruptCheckpointError
+from deepspeed.runtime.checkpointing.errors import CorruptCheckpointError
 
 
 def content_error(path: str, reason: str) -> CorruptCheckpointError:

@@ -52,9 +52,9 @@ def assemble(shards: Sequence[torch.Tensor], layout: Mapping[str, Any] | None) -
 def convert_autotp(input_folder: str, output_folder: str, mp_ranks: list[int], inject_missing_state: bool,
                    strict: bool) -> str:
     """Convert an AutoTP ZeRO-1/2 tag folder written by ``len(mp_ranks)`` tensor-parallel ranks."""
-    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint import _conversion as du
     from deepspeed.checkpoint.universal import ZERO_FOLDER
-    from deepspeed.runtime.checkpointing._atomic import make_dirs
+    from deepspeed.runtime.checkpointing.atomic import make_dirs
     from ds_zero import zero_to_fp32 as z
 
     per_rank, model_files = [], []
@@ -108,7 +108,7 @@ AUTOTP_PARAM_NAMES = "autotp_param_names"  # ZeRO-0: the optimizer's parameters 
 
 def _tp_model_states(input_folder: str) -> list[tuple[str, dict[str, Any]]]:
     """``(path, model states)`` of every tensor-parallel rank, ``mp_rank_00`` first."""
-    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint import _conversion as du
     from ds_zero import zero_to_fp32 as z
 
     out, rank = [], 0
@@ -126,9 +126,9 @@ def convert_autotp_stage0(input_folder: str, output_folder: str, strict: bool) -
     """Convert an AutoTP checkpoint without ZeRO: each rank's model states hold its whole optimizer state (the
     moments of its shards, by index in ``autotp_param_names`` order); the fp32 values are the full weights of
     the model states (the master weights themselves when training in fp32)."""
-    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint import _conversion as du
     from deepspeed.checkpoint.universal import ZERO_FOLDER
-    from deepspeed.runtime.checkpointing._atomic import make_dirs
+    from deepspeed.runtime.checkpointing.atomic import make_dirs
 
     ranks = _tp_model_states(input_folder)
     main = ranks[0][1]
@@ -166,9 +166,9 @@ def convert_autotp_stage0(input_folder: str, output_folder: str, strict: bool) -
 def _finish(output_folder: str, model_files: list[str], shapes: dict[str, tuple] | None, keys: list[str]) -> str:
     """Copy the model-states files, check every written file against the full ``shapes`` (None: no check) and
     point ``latest_universal`` at the output folder."""
-    from deepspeed.checkpoint import ds_to_universal as du
+    from deepspeed.checkpoint import _conversion as du
     from deepspeed.checkpoint.universal import LATEST_UNIVERSAL, ZERO_FOLDER
-    from deepspeed.runtime.checkpointing._atomic import atomic_write_text
+    from deepspeed.runtime.checkpointing.atomic import atomic_write_text
 
     for path in model_files:
         du._copy(path, os.path.join(output_folder, os.path.basename(path)))
@@ -178,39 +178,3 @@ def _finish(output_folder: str, model_files: list[str], shapes: dict[str, tuple]
     atomic_write_text(os.path.join(root or ".", LATEST_UNIVERSAL), step_folder)
     print("*** Done!")
     return output_folder
-
-
-def stage0_optimizer(wrapper: Any, module: torch.nn.Module) -> tuple[Any, list[torch.nn.Parameter], list[str]] | None:
-    """(wrapper, its model parameters in state order, their names in ``module``) of a ZeRO-0 optimizer wrapper
-    (``FP32Optimizer``), else None (no optimizer, or ZeRO: its own files and universal load)."""
-    from deepspeed.runtime.precision.optimizers import FP32Optimizer
-
-    if not isinstance(wrapper, FP32Optimizer):
-        return None
-    params = getattr(wrapper, "model_params", None)
-    params = list(params) if params is not None else [p for g in wrapper.optimizer.param_groups for p in g["params"]]
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    return wrapper, params, [names[id(p)] for p in params]
-
-
-def load_stage0_optimizer(wrapper: Any, params: Sequence[torch.nn.Parameter], names: Sequence[str], ctx: Any,
-                          load: Any) -> None:
-    """Fill a ZeRO-0 optimizer wrapper (``FP32Optimizer``) from the ``zero/<name>/`` folders: ``load`` (the AutoTP
-    universal reader) returns this rank's shard of each value and moment; mixed-precision masters take fp32.pt."""
-    from deepspeed.checkpoint.universal import stage0_optimizer_state
-    from ds_zero.checkpoint import read_universal
-
-    masters = getattr(wrapper, "master_of", {})
-    for name, param in zip(names, params, strict=True):
-        if param in masters:
-            with torch.no_grad():
-                masters[param].copy_(read_universal(ctx, load, name, "fp32", param.numel()).view(param.shape))
-    optimizer_state, common = stage0_optimizer_state(ctx, load, list(names), list(params),
-                                                     wrapper.optimizer.state_dict()["param_groups"])
-    restored: dict[str, Any] = {"optimizer_state_dict": optimizer_state}
-    if common.get("loss_scaler"):
-        restored["loss_scaler"] = common["loss_scaler"]
-    wrapper.load_state_dict(restored)
-

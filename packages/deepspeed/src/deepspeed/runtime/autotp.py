@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed.checkpoint._autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES, stage0_optimizer
+from deepspeed.checkpoint.autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES
+from deepspeed.checkpoint.universal import stage0_optimizer
 from ds_config import ConfigError, ConfigProblem
 from ds_inference.autotp import (
     AutoTPPresets,

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-from deepspeed.runtime.checkpointing._atomic import atomic_write, stage_write
-from deepspeed.runtime.checkpointing._errors import CorruptCheckpointError, UnsafeCheckpointError
+from deepspeed.runtime.checkpointing.atomic import atomic_write, stage_write
+from deepspeed.runtime.checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 _WEIGHTS_ONLY_MARK = "Weights only load failed"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from deepspeed.runtime.checkpointing._errors import CheckpointTagError, CorruptCheckpointError
+from deepspeed.runtime.checkpointing.errors import CheckpointTagError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from deepspeed.runtime.checkpointing._state import ParallelInfo

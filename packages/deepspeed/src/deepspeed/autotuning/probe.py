@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed.runtime.checkpointing._atomic import atomic_write_text
+from deepspeed.runtime.checkpointing.atomic import atomic_write_text
 
 logger = logging.getLogger("deepspeed.autotuning")
 

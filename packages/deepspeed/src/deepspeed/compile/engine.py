@@ -86,7 +86,7 @@ class _AutoSPCall:
 
 def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
     """Compile ``engine.module`` with the AutoSP pass over the engine's sequence-parallel group."""
-    from deepspeed.compile import _all_to_all
+    from deepspeed.compile import all_to_all as _all_to_all
     from deepspeed.compile.passes import long_context_checkpointing
     from deepspeed.compile.passes.sp_compile import autosp_pass
     from deepspeed.utils import groups

@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from deepspeed.runtime.checkpointing._errors import CheckpointError
-from deepspeed.runtime.checkpointing._layout import model_states_name
 from deepspeed.runtime.checkpointing._state import EngineState
+from deepspeed.runtime.checkpointing.errors import CheckpointError
+from deepspeed.runtime.checkpointing.layout import model_states_name
 
 AUTOTP_SIZE_KEY = "autotp_size"  # written into the model states by the AutoTP extension
 
