@@ -172,7 +172,7 @@ def test_autotp_resume_through_a_universal_checkpoint_is_exact(tmp_path, tp_from
 def test_assemble_puts_fused_pieces_back():
     """Two ranks holding Q/K/V pieces each: the shards go back to their ranges of the full dimension."""
     from deepspeed.checkpoint.autotp_universal import assemble
-    from ds_inference.autotp._sharding import ShardMeta, make_layout
+    from ds_inference.autotp.sharding import ShardMeta, make_layout
 
     layout = make_layout([4, 2, 2], ShardMeta(tp_size=2, tp_grain_size=1), by_heads=False)
     full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)

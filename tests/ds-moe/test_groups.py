@@ -8,7 +8,7 @@ import torch.distributed as dist
 from _harness import run_distributed
 
 from ds_moe import groups
-from ds_moe._rank_lists import expert_and_data_parallel_ranks, expert_parallel_ranks_with_mpu
+from ds_moe.rank_lists import expert_and_data_parallel_ranks, expert_parallel_ranks_with_mpu
 
 # --------------------------------------------------------- pure rank lists (DeepSpeed's documented examples)
 

@@ -63,7 +63,7 @@ def _p2p_choices() -> list[bool]:
     with more ranks, a second engine): decided again, not read from a stale cache entry."""
     from types import SimpleNamespace
 
-    from ds_zero._gather import P2P_MAX_WORLD
+    from ds_zero.gather import P2P_MAX_WORLD
     from ds_zero.zero3._collectives import _use_p2p
 
     return [_use_p2p(SimpleNamespace(group=None, world=w)) for w in (4, P2P_MAX_WORLD + 1, 4)]

@@ -1,4 +1,4 @@
-"""The model-parallel gradient-norm rule (``ds_zero._grad_norm``): which parameters count (DeepSpeed's
+"""The model-parallel gradient-norm rule (``ds_zero.grad_norm``): which parameters count (DeepSpeed's
 ``get_grad_norm``: not a tied weight's non-owner copy; on tensor-slice ranks > 0 only sliced parameters), the
 tensor-parallel rank of an mpu, and ZeRO-1/2 leaving out the fragments of its flat partitions that do not count
 (a left-out parameter split across two data-parallel partitions; still an overflow when it is inf)."""
@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from _harness import run_distributed
 
-from ds_zero._grad_norm import (
+from ds_zero.collectives import TORCH
+from ds_zero.grad_norm import (
     LOCAL,
     NormScope,
     counts_in_norm,
@@ -21,7 +22,6 @@ from ds_zero._grad_norm import (
     partitioned_norm,
     tensor_model_parallel_rank,
 )
-from ds_zero.collectives import TORCH
 from ds_zero.partition import FlatLayout
 
 

@@ -1,6 +1,6 @@
 """``ds_zero.partition``: FlatLayout arithmetic (which rank owns which slice of which tensor) and the
 round-robin gradient order, checked against an element-by-element reference and with hypothesis properties;
-and the re-partitioning of saved fp32 partitions onto another world size (``ds_zero._state``), which relies on
+and the re-partitioning of saved fp32 partitions onto another world size (``ds_zero.optimizer_state``), which relies on
 the same arithmetic, checked by parameter name across layouts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_zero._flat_group import FlatGroup
-from ds_zero._state import BASE_STATE, FP32_GROUPS, _repartition
+from ds_zero.optimizer_state import BASE_STATE, FP32_GROUPS, _repartition
 from ds_zero.partition import FlatLayout, Fragment, nccl_alignment, round_robin_order
 
 numels_st = st.lists(st.integers(min_value=0, max_value=60), min_size=0, max_size=8)

@@ -86,7 +86,8 @@ def test_parameter_gathered_by_prefetch_and_read_by_another_module():
 def _in_flight() -> dict:
     import deepspeed
     from ds_zero.zero3._collectives import start_gather
-    from ds_zero.zero3._param import PartitionSpace, convert_param
+    from ds_zero.zero3.convert import convert_param
+    from ds_zero.zero3.param import PartitionSpace
 
     p = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
     convert_param(p, PartitionSpace.of(None, "cpu", "cpu"))

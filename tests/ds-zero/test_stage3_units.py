@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ds_zero.zero3._prefetch import TraceCache
-from ds_zero.zero3._schedule import build_units
 from ds_zero.zero3.leaf import leaf_rule, set_z3_leaf_modules
+from ds_zero.zero3.schedule import build_units
 
 
 class Block(torch.nn.Module):

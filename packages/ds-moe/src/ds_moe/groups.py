@@ -2,7 +2,7 @@
 
 DeepSpeed's API is module state (``deepspeed.utils.groups``): groups are created once per expert-parallel
 size, on every rank in the same order, and looked up by name; ``deepspeed.utils.groups`` forwards its expert
-functions here. Rank lists come from :mod:`ds_moe._rank_lists`. ``mpu`` (a Megatron-style model-parallel
+functions here. Rank lists come from :mod:`ds_moe.rank_lists`. ``mpu`` (a Megatron-style model-parallel
 unit, or None) is set by whoever owns the model-parallel layout; it decides the pipeline size and the
 expert-tensor-parallel variant. Groups cached from a process group that has since been destroyed are
 forgotten automatically (a new default group means new groups).
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_moe._rank_lists import expert_and_data_parallel_ranks, expert_parallel_ranks_with_mpu
+from ds_moe.rank_lists import expert_and_data_parallel_ranks, expert_parallel_ranks_with_mpu
 
 mpu: Any = None  # Megatron-style model-parallel unit, set by the engine when the user passes one
 expert_tensor_parallel_world_size = 1  # tensor-parallel degree of the experts themselves

@@ -5,7 +5,7 @@ Every data-parallel rank writes ``zero_pp_rank_<r>_mp_rank_XX_optim_states.pt`` 
 DeepSpeed's ``param_shapes`` / ``frozen_param_shapes`` / ``frozen_param_fragments`` / ``shared_params``, which
 is what ``zero_to_fp32`` reads. Rank 0 also copies the standalone ``zero_to_fp32.py`` script into the save
 folder (beside ``latest``). Loading onto the saved world size reads this rank's file; onto another one,
-every saved rank's file, and the partitions are cut again (see ``_state``).
+every saved rank's file, and the partitions are cut again (see ``optimizer_state``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ds_zero._state import same_names
+from ds_zero.optimizer_state import same_names
 from ds_zero.partition import nccl_alignment
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
@@ -142,7 +142,7 @@ class ZeroCheckpointShards:
     def _check_states(self, ctx: Any, names: list[str], states: list[dict[str, Any]], same_layout: bool) -> None:
         """Before anything changes: each saved state has ZeRO's keys and this optimizer's number of groups, and
         (same layout) each fp32 partition and optimizer-state tensor has this rank's partition size."""
-        from ds_zero._state import BASE_STATE, FP32_GROUPS, _check
+        from ds_zero.optimizer_state import BASE_STATE, FP32_GROUPS, _check
 
         opt = self.optimizer
         for name, sd in zip(names, states, strict=True):
@@ -344,7 +344,7 @@ def check_universal_groups(opt: Any, common: dict[str, Any]) -> None:
 
 def restore_universal_common(opt: Any, new_state: dict[int, dict[str, Any]], common: dict[str, Any]) -> None:
     """Loss scaler, the wrapped optimizer's per-group states and the saved ``param_groups`` (lr, betas, ...)."""
-    from ds_zero._state import _load_in_place
+    from ds_zero.optimizer_state import _load_in_place
 
     if opt.loss_scaler is not None and common.get("loss_scaler"):
         opt.loss_scaler.load_state_dict({**opt.loss_scaler.state_dict(), **common["loss_scaler"]})

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup
-from ds_zero._registry import owner_of, unpartitioned_master
 from ds_zero.partition import Fragment
+from ds_zero.registry import owner_of, unpartitioned_master
 from ds_zero.utils import is_zero_param
 
 __all__ = [

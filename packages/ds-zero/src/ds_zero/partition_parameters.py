@@ -4,7 +4,6 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
-from ds_zero.zero3._param import ZeroParamStatus
 from ds_zero.zero3.init import (
     GatheredParameters,
     Init,
@@ -14,6 +13,7 @@ from ds_zero.zero3.init import (
     zero_wrapper_for_fp_tensor_constructor,
 )
 from ds_zero.zero3.leaf import z3_leaf_module, z3_leaf_parameter
+from ds_zero.zero3.param import ZeroParamStatus
 
 partitioned_param_data_shape = [0]
 """The shape of a partitioned parameter's ``.data`` while it is not gathered (an empty placeholder)."""

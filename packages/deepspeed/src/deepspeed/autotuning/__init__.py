@@ -3,8 +3,8 @@ ZeRO knobs by running the user's script as short launcher jobs and keeps the fas
 
 Modules: :mod:`.autotuner` (the search), :mod:`.scheduler` (experiments as launcher jobs), :mod:`.tuner`
 (grid, random and cost-model search over a tuning space), :mod:`.utils` (config-dict helpers), :mod:`.constants`
-(templates and default tuning spaces). The engine side (metric and model-info files) is ``_probe``.
-This package never imports torch except in ``_probe``, which runs inside the training ranks.
+(templates and default tuning spaces). The engine side (metric and model-info files) is ``probe``.
+This package never imports torch except in ``probe``, which runs inside the training ranks.
 
 Time limit: each experiment (a launcher job) may run ``DS_AUTOTUNING_EXP_TIMEOUT`` seconds (environment variable,
 default 1800; the ``autotuning`` config section documents no such key) before it and its ranks are killed and it
@@ -28,7 +28,7 @@ _SUBMODULES = ("autotuner", "constants", "scheduler", "tuner", "utils")
 
 
 def __getattr__(name: str) -> Any:
-    """Load the search lazily: every engine imports ``_probe`` from here, and a job that does not tune must
+    """Load the search lazily: every engine imports ``probe`` from here, and a job that does not tune must
     not pay for the Autotuner's modules (and their tqdm import)."""
     if name == "Autotuner":
         from deepspeed.autotuning.autotuner import Autotuner

@@ -22,7 +22,7 @@ DeepSpeed. ``strict`` (default; ``--no_strict`` turns it off) checks every conve
 Pipeline-parallel checkpoints (ZeRO-1/2 with several stages: ``mp_rank_SS`` files whose model states hold
 ``pipeline_parts``) are converted stage by stage into one ``zero/`` folder by global parameter name (tied
 parameters once), and the layer files are copied. AutoTP checkpoints (``tensor_parallel.autotp_size``, ZeRO
-stage 0/1/2) are put back together from their tensor-parallel shards (``_autotp_universal``); other
+stage 0/1/2) are put back together from their tensor-parallel shards (``autotp_universal``); other
 tensor-parallel layouts are not supported.
 """
 

@@ -2,7 +2,7 @@
 
 With an ``mpu``, each rank holds part of the model: per-rank sums of ``|x|^p`` are summed (max for the inf-norm)
 over ``mpu.get_model_parallel_group()``, and a parameter another rank already counts is left out by the rule of
-``ds_zero._grad_norm.counts_in_norm`` (a tied weight's ``ds_pipe_replicated`` copy; replicated, non-sliced
+``ds_zero.grad_norm.counts_in_norm`` (a tied weight's ``ds_pipe_replicated`` copy; replicated, non-sliced
 parameters on tensor-slice ranks > 0). The same rule decides the engine's clipping norm, so the two agree.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed.utils import groups
-from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, is_model_parallel_parameter, norm_scope
+from ds_zero.grad_norm import LOCAL, NormScope, counts_in_norm, is_model_parallel_parameter, norm_scope
 
 INF = math.inf
 

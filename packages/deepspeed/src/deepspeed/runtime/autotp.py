@@ -35,7 +35,7 @@ from ds_inference.autotp import (
     set_autotp_mode,
     tp_layers,
 )
-from ds_inference.autotp._sharding import ShardLayout
+from ds_inference.autotp.sharding import ShardLayout
 
 _RECORDED: dict[str, Any] = {}  # tp_model_init's arguments, merged with the config at initialize()
 

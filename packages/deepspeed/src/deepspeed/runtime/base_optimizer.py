@@ -1,7 +1,7 @@
 """``DeepSpeedOptimizer`` and ``ZeROOptimizer``: DeepSpeed's base classes of the optimizer wrappers, for client code
 that checks ``isinstance(engine.optimizer, DeepSpeedOptimizer)``.
 
-Here the wrappers share ``ds_zero._loss_scaled.LossScaledWrapper`` instead (ds-zero cannot depend on this package),
+Here the wrappers share ``ds_zero.loss_scaled.LossScaledWrapper`` instead (ds-zero cannot depend on this package),
 so these are abstract base classes with the wrappers registered as virtual subclasses.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC
 
-from ds_zero._loss_scaled import LossScaledWrapper
+from ds_zero.loss_scaled import LossScaledWrapper
 from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from ds_zero.zero3.optimizer import DeepSpeedZeroOptimizer_Stage3
 

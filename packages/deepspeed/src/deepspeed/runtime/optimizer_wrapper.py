@@ -1,7 +1,7 @@
 """The two seams between the engine and its optimizer: what an optimizer wrapper and a gradient reducer do.
 
 The engine drives any precision/ZeRO variant through these interfaces only: stage 0 (``_precision`` and
-``_grad_reduce``) implements them here; ZeRO stages 1-3 implement them with partitioned state and
+``grad_reduce``) implements them here; ZeRO stages 1-3 implement them with partitioned state and
 reduce-scatter. One training micro-step is::
 
     loss' = wrapper.scale_loss(loss)            # loss scaling (fp16); the engine also divides by GAS

@@ -264,7 +264,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(expert_groups, name)
     if name == "_get_expert_parallel_ranks":  # the pure rank arithmetic (E + M + D with an mpu)
-        from ds_moe._rank_lists import expert_parallel_ranks_with_mpu
+        from ds_moe.rank_lists import expert_parallel_ranks_with_mpu
 
         return expert_parallel_ranks_with_mpu
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

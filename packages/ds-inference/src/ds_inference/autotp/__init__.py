@@ -20,7 +20,6 @@ from ds_inference.autotp._mode import get_auto_tp_mode, is_autotp_training_mode,
 from ds_inference.autotp._policy import Placement
 from ds_inference.autotp._replace import AutoTP, replace_transformer_layer, revert_transformer_layer
 from ds_inference.autotp._shard import autotp_shard, full_state_dict, load_full_state_dict, tp_layers, tp_plan
-from ds_inference.autotp._sharding import ShardLayout, ShardMeta, make_layout, shard_sizes
 from ds_inference.autotp._specs import (
     AutoTPConfig,
     AutoTPPresets,
@@ -29,6 +28,7 @@ from ds_inference.autotp._specs import (
     hf_tp_plan_specs,
     merge_autotp_configs,
 )
+from ds_inference.autotp.sharding import ShardLayout, ShardMeta, make_layout, shard_sizes
 
 __all__ = [
     "AutoTP", "AutoTPConfig", "AutoTPPresets", "Conv_LinearALlreduce", "EmbeddingLayer", "HiddenParallelEmbedding",

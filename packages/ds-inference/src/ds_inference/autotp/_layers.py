@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_inference.autotp._comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
-from ds_inference.autotp._sharding import ShardLayout
+from ds_inference.autotp.sharding import ShardLayout
 
 
 def _weight_of(module: nn.Module) -> torch.Tensor:

@@ -19,8 +19,8 @@ from ds_inference.autotp._policy import (
     is_conv1d,
     spec_placements,
 )
-from ds_inference.autotp._sharding import ShardMeta, make_layout, shard_sizes
 from ds_inference.autotp._specs import TPLayerSpec
+from ds_inference.autotp.sharding import ShardMeta, make_layout, shard_sizes
 
 # Attention attributes that count heads or head-widths; scaled to this rank's share (DeepSpeed's list, plus
 # GPT-2's ``split_size``). ``head_dim`` stays whole.

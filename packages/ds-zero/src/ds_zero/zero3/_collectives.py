@@ -5,7 +5,7 @@ back into the partitions (``GatheredParameters(modifier_rank=...)``).
 A gather moves every listed parameter in one exchange: the partitions are packed back to back into one
 buffer of ``U`` elements, each rank receives ``W * U`` elements (rank ``r``'s buffer at ``[r*U, (r+1)*U)``),
 and each parameter's whole value is cut out of that. On gloo with up to four ranks the exchange is point to
-point (the same choice as stage 1/2's gather, ``ds_zero._gather``: faster than gloo's all-gather on CPU);
+point (the same choice as stage 1/2's gather, ``ds_zero.gather``: faster than gloo's all-gather on CPU);
 otherwise one ``all_gather_into_tensor``; with ``stage3_use_all_reduce_for_fetch_params`` an all-reduce of a
 zeroed buffer holding each rank's slice. ``stage3_allgather_sequential`` makes one exchange per parameter.
 Parameters of a MiCS/ZeRO++ partition space are gathered by ``ds_zero.zeropp.gather`` (quantized, hpZ secondary
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._gather import P2P_MAX_WORLD
-from ds_zero.zero3._param import (
+from ds_zero.gather import P2P_MAX_WORLD
+from ds_zero.zero3.param import (
     ZeroParamStatus,
     install_full,
     release_partitions,

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._gather import P2P_MAX_WORLD
 from ds_zero._reduce import ReduceSettings
-from ds_zero.zeropp._exchange import all_reduce_sum
+from ds_zero.gather import P2P_MAX_WORLD
+from ds_zero.zeropp.exchange import all_reduce_sum
 from ds_zero.zeropp.traffic import record
 
 _POOL = 2  # freed buffers kept for reuse: one bucket's [W, B] buffer and its receive rows (~2 x reduce_bucket_size)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ds_zero._state import _load_in_place, loss_scaler_description
-from ds_zero.zero3._param import partition_numel
+from ds_zero.optimizer_state import _load_in_place, loss_scaler_description
+from ds_zero.zero3.param import partition_numel
 
 FP32_GROUPS = "fp32_flat_groups"
 BASE_STATE = "optimizer_state_dict"

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ds_zero.checkpoint import ZeroCheckpointShards, shared_params
-from ds_zero.zero3._param import partition_copy
+from ds_zero.zero3.param import partition_copy
 from ds_zero.zeropp.frozen import is_stored_quantized, partition_values, write_full
 
 

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.nn.modules import module as torch_module
 
 from ds_zero.zero3._collectives import broadcast_into_partitions, gather_now
-from ds_zero.zero3._param import PartitionSpace, ZeroParamStatus, convert_param, is_partitioned, release_one
+from ds_zero.zero3.convert import convert_param
+from ds_zero.zero3.param import PartitionSpace, ZeroParamStatus, is_partitioned, release_one
 
 _LOCAL = threading.local()
 
@@ -320,7 +321,7 @@ class GatheredParameters:
 
 
 def _refresh_masters(params: list[torch.nn.Parameter]) -> None:
-    from ds_zero._registry import owner_of
+    from ds_zero.registry import owner_of
 
     for p in params:
         owner = owner_of(p)

@@ -55,7 +55,7 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's class name)
             self._partition_module(module)
 
     def _partition_params(self, params: Any) -> None:
-        from ds_zero.zero3._param import is_partitioned
+        from ds_zero.zero3.param import is_partitioned
 
         todo = [p for p in dict.fromkeys(params) if not is_partitioned(p)]
         if todo and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:

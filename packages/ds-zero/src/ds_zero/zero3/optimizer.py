@@ -28,16 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._grad_norm import partitioned_norm
-from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import ReduceSettings
-from ds_zero._registry import register
 from ds_zero.collectives import TORCH, Collectives
+from ds_zero.grad_norm import partitioned_norm
+from ds_zero.loss_scaled import LossScaledWrapper
 from ds_zero.partition import Fragment
+from ds_zero.registry import register
 from ds_zero.swap.param_swapper import is_swapped
-from ds_zero.zero3._param import partition_copy
 from ds_zero.zero3._reduce_scatter import ReduceScatter
-from ds_zero.zero3._schedule import ParamScheduler
+from ds_zero.zero3.param import partition_copy
+from ds_zero.zero3.schedule import ParamScheduler
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ds_zero.zero3._param import ZeroParamStatus, is_partitioned, write_partition_from_full
+from ds_zero.zero3.param import ZeroParamStatus, is_partitioned, write_partition_from_full
 
 _LOCAL = threading.local()  # per thread: another thread's state_dict() is not the engine's file
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ds_zero.zero3._param import is_partitioned
 from ds_zero.zero3.init import GatheredParameters
+from ds_zero.zero3.param import is_partitioned
 
 __all__ = ["TiledLinear", "TiledLinearReturnBias", "TilingError", "partition_uniform", "split_tensor_along_last_dim"]
 

@@ -73,7 +73,7 @@ def packed(param: torch.nn.Parameter) -> torch.Tensor:
 def write_full(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     """This rank's slice of ``full`` (the whole value, ``ds_numel`` elements) becomes its partition, stored the
     way the parameter stores it."""
-    from ds_zero.zero3._param import write_partition_from_full
+    from ds_zero.zero3.param import write_partition_from_full
 
     if not is_stored_quantized(param):
         write_partition_from_full(param, full.to(param.ds_tensor.dtype))

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ds_zero.zero3._param import ZeroParamStatus, install_full
-from ds_zero.zeropp._exchange import all_gather, start_all_gather
+from ds_zero.zero3.param import ZeroParamStatus, install_full
+from ds_zero.zeropp.exchange import all_gather, start_all_gather
 from ds_zero.zeropp.frozen import is_stored_quantized, packed
 from ds_zero.zeropp.quant import dequantize_packed, quantize_packed, wire_bytes
 

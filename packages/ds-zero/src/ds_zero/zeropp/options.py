@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_zero.zero3._param import PartitionSpace
+from ds_zero.zero3.param import PartitionSpace
 from ds_zero.zeropp.groups import SubGroup, across_group, block_group, check_size, single_group, sub_group
 from ds_zero.zeropp.quant import DEFAULT_BLOCK
 

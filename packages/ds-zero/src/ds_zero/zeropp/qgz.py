@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ds_zero.zeropp._exchange import all_to_all
+from ds_zero.zeropp.exchange import all_to_all
 from ds_zero.zeropp.groups import SubGroup
 from ds_zero.zeropp.quant import dequantize_packed, quantize_packed
 

@@ -49,7 +49,7 @@ Behaviour:
   :func:`pipeline_layer_range`).
 - AutoTP (``tensor_parallel.autotp_size``) files hold the full weights, so they load at another TP size (a rank
   whose ``mp_rank_XX`` file a smaller TP size never wrote reads ``mp_rank_00``); optimizer states only at the
-  saved size: otherwise :class:`CheckpointError` before anything is loaded, naming both sizes (``_tp_resize``).
+  saved size: otherwise :class:`CheckpointError` before anything is loaded, naming both sizes (``tp_resize``).
 - Atomic: every rank writes its files under temporary names (fsynced); only when every rank's writes succeeded
   are they renamed into place (directories fsynced), and ``latest`` is written last, by rank 0. A crash or a
   write error (ENOSPC, EACCES, EIO) on any rank mid-save leaves the previous files of the tag and ``latest``

@@ -35,7 +35,7 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
 
 
 def stage_file(obj: Any, path: str | os.PathLike) -> str:
-    """``torch.save(obj)`` under a temporary sibling of ``path`` (fsynced); returns it for ``_atomic.commit``."""
+    """``torch.save(obj)`` under a temporary sibling of ``path`` (fsynced); returns it for ``atomic.commit``."""
     return stage_write(path, lambda handle: torch.save(obj, handle))
 
 

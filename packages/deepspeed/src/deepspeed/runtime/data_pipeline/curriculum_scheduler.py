@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from deepspeed.runtime.data_pipeline import constants as C
-from ds_config._errors import ConfigError
+from ds_config import ConfigError
 
 logger = logging.getLogger(__name__)
 

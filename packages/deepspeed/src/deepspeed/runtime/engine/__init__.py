@@ -1,13 +1,17 @@
-"""``DeepSpeedEngine``: the training loop's object (forward, backward, step) over the pieces built in ``_setup``.
+"""``DeepSpeedEngine``: the training loop's object (forward, backward, step), composed of what the modules of this
+folder build and wire in, one concern each.
 
 The engine is thin: the optimizer wrapper (``optimizer_wrapper.OptimizerWrapper``) owns precision, loss
 scaling, clipping and the update; the gradient reducer averages gradients over the data-parallel group,
 overlapped with backward through per-parameter gradient hooks. The hooks also serve a direct ``loss.backward()``
 (what ``engine.backward`` does, minus the division by the gradient accumulation steps).
 
-Around the training loop, in their own modules: the constructor's set-up steps (``_engine_setup``), config
-accessors (``_accessors``), the data loader and data-efficiency methods (``_data_efficiency``), ZeRO state
-offloading (``_zero_states``), ZeRO-3 methods (``_zero3_engine``); checkpoints in ``deepspeed.runtime.checkpointing``.
+The modules of this folder: ``_setup`` (the constructor's steps, in order), ``_module`` (device, dtype, broadcast),
+``_stages`` (the ZeRO stage registry; stage 0), ``_zero`` / ``_zero3`` / ``_zero_states`` (ZeRO 1-2, ZeRO-3 and
+its engine methods, ``offload_states``), ``_precision``, ``_optimizer`` (optimizer and LR schedule), ``_moe`` /
+``_moe_checkpoint``, ``_compression``, ``_data_efficiency`` (data loader, curriculum, dynamic batching),
+``_pld``, ``_reporting`` (log line, monitors, flops profiler), ``_accessors``, ``_timers``; checkpoints are
+``deepspeed.runtime.checkpointing``, AutoTP training ``deepspeed.runtime.autotp``.
 """
 
 from __future__ import annotations
@@ -444,7 +448,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._hook_handles = []
         self._released = why
         if self.optimizer is not None:
-            from ds_zero._registry import release
+            from ds_zero.registry import release
 
             release(self.optimizer, self.module.parameters())
         if self.monitor is not None:

@@ -14,7 +14,7 @@ def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -
     """Move ``module`` to ``device`` and cast its floating-point parameters to the training dtype (fp16/bf16).
 
     Buffers keep the dtype they were loaded with (fp32 BatchNorm statistics, rotary ``inv_freq``), as DeepSpeed
-    0.19.6+ does; ``data_types.buffer_dtype`` casts them (``_engine_setup.cast_buffers``)."""
+    0.19.6+ does; ``data_types.buffer_dtype`` casts them (``_setup.cast_buffers``)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"deepspeed.initialize: model must be a torch.nn.Module, got {type(module).__name__}")
     module.to(device)

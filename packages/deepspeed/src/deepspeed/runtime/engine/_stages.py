@@ -21,7 +21,7 @@ from deepspeed.runtime.grad_reduce import BucketedAllReduce, ReduceOptions
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from deepspeed.runtime.precision.optimizers import FP32Optimizer
 from ds_config import ConfigError, ConfigProblem
-from ds_zero._grad_norm import LOCAL, norm_scope
+from ds_zero.grad_norm import LOCAL, norm_scope
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _stage_builder(stage: int) -> StageBuilder:
 
 
 def reduce_options(config: Any, params: list[torch.nn.Parameter], dp_group: Any, world: int) -> ReduceOptions:
-    """The config's gradient-communication options (see ``_grad_reduce``)."""
+    """The config's gradient-communication options (see ``runtime.grad_reduce``)."""
     from deepspeed.runtime.torch_autocast import autocast_comm_dtypes
 
     autocast = autocast_comm_dtypes(params) if config.torch_autocast_enabled else {}

@@ -139,8 +139,8 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
     """Stage 1 or 2 (``inputs.config.zero_stage``): the partitioned optimizer wrapper and its reducer."""
     from deepspeed.__about__ import __version__
     from deepspeed.sequence.groups import sequence_factor, zero12_group_comms
-    from ds_zero._grad_norm import norm_scope
     from ds_zero.checkpoint import ZeroCheckpointShards
+    from ds_zero.grad_norm import norm_scope
     from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     config = inputs.config

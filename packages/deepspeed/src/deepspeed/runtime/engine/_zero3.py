@@ -55,7 +55,7 @@ def _unsupported(config: Any, mpu: Any, module: torch.nn.Module) -> list[ConfigP
 
 
 def _schedule_settings(zero: Any) -> Any:
-    from ds_zero.zero3._schedule import ScheduleSettings
+    from ds_zero.zero3.schedule import ScheduleSettings
 
     return ScheduleSettings(
         prefetch_bucket_numel=int(zero.prefetch_bucket_size), max_live_numel=int(zero.max_live_parameters),
@@ -85,8 +85,9 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
     and install the gather/release hooks; returns the ``ParamScheduler``."""
     from deepspeed.runtime.engine._module import broadcast_module
     from ds_zero.swap.from_config import param_swap_settings, swap_params
-    from ds_zero.zero3._param import PartitionSpace, convert_param, is_partitioned
-    from ds_zero.zero3._schedule import ParamScheduler
+    from ds_zero.zero3.convert import convert_param
+    from ds_zero.zero3.param import PartitionSpace, is_partitioned
+    from ds_zero.zero3.schedule import ParamScheduler
     from ds_zero.zero3.state_dict_hooks import install_state_dict_hooks
     from ds_zero.zeropp.frozen import quantize_nontrainable
     from ds_zero.zeropp.options import ZeroPPOptions, partition_group, zeropp_space
@@ -144,7 +145,7 @@ def _check_same_ranks(adopted: list[torch.nn.Parameter], space: Any) -> None:
 
 def _adopt_partitioned(param: torch.nn.Parameter, space: Any) -> None:
     """A parameter built under ``zero.Init``: its partition follows the engine's dtype and offload device."""
-    from ds_zero.zero3._param import retarget_partition
+    from ds_zero.zero3.param import retarget_partition
 
     if param.ds_space.world != space.world or param.ds_space.rank != space.rank:
         raise ConfigError(ConfigProblem("zero_optimization.stage", f"a parameter (shape {tuple(param.ds_shape)}) was "

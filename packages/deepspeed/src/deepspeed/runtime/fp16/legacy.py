@@ -24,7 +24,7 @@ from deepspeed.runtime.fp16.loss_scaler import (
 )
 from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler, StaticLossScaler
 from deepspeed.runtime.precision.optimizers import MixedPrecisionOptimizer, Scaler
-from ds_zero._grad_norm import norm_scope
+from ds_zero.grad_norm import norm_scope
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler, StaticLossScaler
-from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, model_parallel_norm
-from ds_zero._loss_scaled import LossScaledWrapper
-from ds_zero._registry import register_masters
+from ds_zero.grad_norm import LOCAL, NormScope, counts_in_norm, model_parallel_norm
+from ds_zero.loss_scaled import LossScaledWrapper
+from ds_zero.registry import register_masters
 
 Scaler = StaticLossScaler | DynamicLossScaler | None
 
@@ -61,7 +61,7 @@ class FP32Optimizer(LossScaledWrapper):
     """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
 
     grads_in_params = True
-    """Gradients live in ``param.grad`` (the reducer may point them at its buckets, see ``_grad_reduce``)."""
+    """Gradients live in ``param.grad`` (the reducer may point them at its buckets, see ``runtime.grad_reduce``)."""
     plain_state_dict = True
     """Without loss scaling the checkpoint holds the wrapped optimizer's own state dict, as DeepSpeed's does."""
 

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from ds_zero.zero3._linear import _Zero3Linear
+from ds_zero.zero3.linear import _Zero3Linear
 
 # torch.amp's custom-function decorators bound to this accelerator's device type: an autograd function decorated
 # with them runs its backward under the autocast state its forward saw (DeepSpeed's names)

@@ -11,7 +11,7 @@ from typing import Any
 
 from deepspeed.runtime.data_pipeline import constants as C
 from deepspeed.runtime.data_pipeline.curriculum_scheduler import as_plain_dict, fixed_root_value
-from ds_config._errors import ConfigError
+from ds_config import ConfigError
 
 _WHERE = "data_efficiency.data_routing.random_ltd"
 

@@ -6,13 +6,12 @@ multiple of the data-parallel world size ``W`` and rank ``r`` keeps elements ``[
 ``param.ds_tensor`` (``P = ceil(numel / W)``, in the training dtype, on the device of the partitions: the
 accelerator, or the CPU with ``offload_param`` / ``remote_device="cpu"``). While released, ``param.data`` is an
 empty tensor of the parameter's dtype; while gathered it holds the whole value, and ``ds_status`` says which.
-The collectives that move the values live in ``_collectives``; the scheduling (which module gathers what, and
-when) in ``_schedule``.
+Turning a whole parameter into a partitioned one is ``convert``; the collectives that move the values live in
+``_collectives``; the scheduling (which module gathers what, and when) in ``schedule``.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -22,9 +21,6 @@ import torch
 import torch.distributed as dist
 
 from ds_zero.collectives import TORCH
-from ds_zero.zero3._guard import guard
-
-_IDS = itertools.count()
 
 
 class ZeroParamStatus(Enum):
@@ -72,53 +68,6 @@ def _empty_like(param: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def convert_param(param: torch.nn.Parameter, space: PartitionSpace, dtype: torch.dtype | None = None) -> None:
-    """Partition ``param`` in place: keep this rank's slice of its current (whole) value in ``ds_tensor`` and
-    attach DeepSpeed's ``ds_*`` attributes. The whole value must be the same on every rank."""
-    if is_partitioned(param):
-        return
-    full = param.data
-    dtype = dtype or full.dtype
-    part = partition_numel(full.numel(), space.world)
-    local = torch.zeros(part, dtype=dtype, device=space.device)
-    start = min(space.rank * part, full.numel())
-    end = min(start + part, full.numel())
-    with torch.no_grad():
-        local[:end - start].copy_(full.reshape(-1)[start:end])
-    local.ds_numel = part  # DeepSpeed's ds_tensor carries it too
-    param.ds_tensor = local
-    param.ds_id = next(_IDS)
-    param.ds_numel = full.numel()
-    param.ds_shape = full.shape
-    param.ds_space = space
-    param.ds_persist = False
-    param.ds_external = False
-    param.ds_pending = None  # the PendingGather bringing it while INFLIGHT
-    param.ds_active_sub_modules = set()
-    param.ds_process_group = space.group
-    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-    param.data = torch.empty(0, dtype=dtype, device=space.compute_device)
-    param.all_gather = _bound(all_gather_params, param)
-    param.partition = _bound(release_params, param)
-    param.ds_summary = _bound(_summary, param)
-    guard(param)
-
-
-def _bound(fn: Any, param: torch.nn.Parameter) -> Any:
-    # a closure over a weak reference would do too; the parameter owning its own bound helpers is what DeepSpeed
-    # does, and the cycle is collected with the parameter
-    def call(param_list: Any = None, **kwargs: Any) -> Any:
-        return fn(list(param_list) if param_list is not None else [param], **kwargs)
-    return call
-
-
-def _summary(params: list[torch.nn.Parameter]) -> dict[str, Any]:
-    p = params[0]
-    return {"id": p.ds_id, "status": p.ds_status.name, "numel": p.numel(), "ds_numel": p.ds_numel,
-            "shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape), "requires_grad": p.requires_grad,
-            "persist": p.ds_persist, "active_sub_modules": sorted(p.ds_active_sub_modules)}
-
-
 def install_full(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     """Make ``full`` (``ds_numel`` elements, any layout) the parameter's whole value."""
     param.data = full.view(param.ds_shape)
@@ -129,20 +78,6 @@ def release_one(param: torch.nn.Parameter) -> None:
     if param.ds_status is ZeroParamStatus.AVAILABLE and not param.ds_persist:
         param.data = _empty_like(param.data)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-
-
-def all_gather_params(params: list[torch.nn.Parameter], **_: Any) -> None:
-    """Gather the whole value of every parameter that is not available (collective over their group)."""
-    from ds_zero.zero3._collectives import gather_now
-
-    gather_now([p for p in params if is_partitioned(p)])
-
-
-def release_params(params: list[torch.nn.Parameter], **_: Any) -> None:
-    """Drop the whole values (persistent parameters keep theirs); the partitions stay."""
-    for p in params:
-        if is_partitioned(p) and not p.ds_active_sub_modules:
-            release_one(p)
 
 
 def write_partition_from_full(param: torch.nn.Parameter, full: torch.Tensor) -> None:

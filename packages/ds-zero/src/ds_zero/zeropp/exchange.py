@@ -1,5 +1,5 @@
 """The transport of the ZeRO++/MiCS collectives: all-gather and all-to-all of flat tensors over a process
-group, point to point on small gloo groups (as ``ds_zero._gather`` and the ZeRO-3 gathers do: faster than gloo's
+group, point to point on small gloo groups (as ``ds_zero.gather`` and the ZeRO-3 gathers do: faster than gloo's
 collectives on CPU), otherwise torch's collectives. Every call counts the bytes this rank sends
 (``ds_zero.zeropp.traffic``)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._gather import P2P_MAX_WORLD
+from ds_zero.gather import P2P_MAX_WORLD
 from ds_zero.zeropp.traffic import record
 
 

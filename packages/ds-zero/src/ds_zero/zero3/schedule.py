@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
-from ds_zero.zero3._linear import use_memory_efficient_linear
-from ds_zero.zero3._param import ZeroParamStatus, is_partitioned, prefetch_partitions, release_one
 from ds_zero.zero3._prefetch import TraceCache, TraceSettings
+from ds_zero.zero3.linear import use_memory_efficient_linear
+from ds_zero.zero3.param import ZeroParamStatus, is_partitioned, prefetch_partitions, release_one
 
 logger = logging.getLogger("DeepSpeed")
 _UNIT_IDS = itertools.count()
