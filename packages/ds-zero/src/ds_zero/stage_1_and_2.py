@@ -34,12 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup, GroupComm, param_homes
-from ds_zero._gather import gather_method, gather_partitions
-from ds_zero._grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
-from ds_zero._loss_scaled import LossScaledWrapper
 from ds_zero._reduce import PartitionedReducer, ReduceSettings
-from ds_zero._registry import register
-from ds_zero._state import load_partitioned_state, partitioned_state_dict
 from ds_zero.collectives import TORCH, Collectives
 from ds_zero.estimate import (  # DeepSpeed's module path for the ZeRO-2 estimators
     estimate_zero2_model_states_mem_needs,
@@ -47,6 +42,11 @@ from ds_zero.estimate import (  # DeepSpeed's module path for the ZeRO-2 estimat
     estimate_zero2_model_states_mem_needs_all_live,
 )
 from ds_zero.estimate import zero2_model_to_params as model_to_params
+from ds_zero.gather import gather_method, gather_partitions
+from ds_zero.grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
+from ds_zero.loss_scaled import LossScaledWrapper
+from ds_zero.optimizer_state import load_partitioned_state, partitioned_state_dict
+from ds_zero.registry import register
 
 __all__ = [
     "DeepSpeedZeroOptimizer",
@@ -88,7 +88,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
     ``names``: parameter -> name (for checkpoints); ``params``: the trainable parameters in model order
     (the reducer buckets them in reverse); ``loss_scaler``: an object with ``loss_scale``,
     ``update_scale(overflow)`` and ``state_dict``/``load_state_dict``, or None; ``norm_scope``: the
-    model-parallel ranks the gradient norm and overflow verdict span (``ds_zero._grad_norm.norm_scope(mpu)``);
+    model-parallel ranks the gradient norm and overflow verdict span (``ds_zero.grad_norm.norm_scope(mpu)``);
     ``group_comms``: index of a parameter group of ``init_optimizer`` -> the :class:`GroupComm` it is
     partitioned over instead of ``dp_group`` (MoE expert groups: their expert-data-parallel group).
     """
