@@ -9,11 +9,19 @@ Two roles, one file (stdlib only):
 
 Event lines (tab-separated): ``collected N``, ``collect_error <file> <first line>``, ``start <nodeid>``,
 ``end <outcome> <nodeid>``. A test with a ``start`` and no ``end`` was running when the file was killed: hung.
+
+The plugin also keeps DeepSpeed's ``DistributedTest`` from hanging on a rank that ends in a pytest outcome
+(``pytest.fail``, ``pytest.raises``' ``DID NOT RAISE``: ``BaseException``s, not ``Exception``s). Its pool worker
+lets such an exception kill the worker process, the task's result never arrives, and the parent waits in
+``AsyncResult.get`` until ``DS_UNITTEST_TIMEOUT`` and then ``pytest.exit``s the whole file. The plugin routes the
+pool's task runner through :func:`_starmapstar`, which hands such an outcome back as a ``RuntimeError`` naming it,
+so the test fails at once with the rank's message. Tests are run unmodified; both sides of a comparison get it.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing.pool
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +30,31 @@ from pathlib import Path
 # --------------------------------------------------------------------------------------------- pytest plugin
 
 _outcomes: dict[str, str] = {}
+
+
+class RankOutcome(RuntimeError):
+    """A rank's pytest outcome (a ``BaseException``) carried back to the parent as an ordinary exception."""
+
+
+def _starmapstar(args: tuple) -> list:
+    # Runs in the pool worker (pickled by reference: the worker imports this module from PYTHONPATH).
+    func, arglist = args
+    results = []
+    for item in arglist:
+        try:
+            results.append(func(*item))
+        except Exception:
+            raise
+        except BaseException as e:  # noqa: BLE001 - pytest outcomes; re-raising them would kill the worker
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise RankOutcome(f"rank {item[0] if item else '?'} ended with {type(e).__name__}: {e}") from None
+    return results
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001
+    # Pool looks the task runner up as a module global when it submits starmap work (DeepSpeed's launcher).
+    multiprocessing.pool.starmapstar = _starmapstar
 
 
 def _emit(*parts: object) -> None:
