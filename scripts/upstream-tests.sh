@@ -59,6 +59,12 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 work="$out/work"
 rm -rf "$work" && mkdir -p "$work" && cp -r "$checkout/tests" "$work/tests"
+# Two files reach the checkout's top-level helpers by path: ops/test_op_builder.py loads op_builder/builder.py as a
+# file, utils/test_nvtx.py imports accelerator.cuda_accelerator. Copy those, never the checkout's deepspeed/; only
+# builder.py of op_builder/, so `from op_builder import __deepspeed__` (real DeepSpeed's "running from a source
+# tree" probe) still fails and real DeepSpeed keeps loading its installed op builders.
+[ -d "$checkout/accelerator" ] && cp -r "$checkout/accelerator" "$work/accelerator"
+[ -f "$checkout/op_builder/builder.py" ] && mkdir -p "$work/op_builder" && cp "$checkout/op_builder/builder.py" "$work/op_builder/"
 printf '%s\n' "${files[@]}" > "$out/files.txt"
 
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" LOCAL_SIZE="${LOCAL_SIZE:-4}"

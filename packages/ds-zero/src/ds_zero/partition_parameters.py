@@ -14,6 +14,7 @@ from ds_zero.zero3.init import (
 )
 from ds_zero.zero3.leaf import z3_leaf_module, z3_leaf_parameter
 from ds_zero.zero3.param import ZeroParamStatus
+from ds_zero.zeropp.param_quantizer import CUDAQuantizer
 
 partitioned_param_data_shape = [0]
 """The shape of a partitioned parameter's ``.data`` while it is not gathered (an empty placeholder)."""
@@ -46,6 +47,7 @@ class MultipleAllGatherHandles:
             handle.wait(handle_dependency=handle_dependency)
 
 __all__ = [
+    "CUDAQuantizer",
     "GatheredParameters",
     "MultipleAllGatherHandles",
     "get_allgather_dtype",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 
@@ -37,6 +37,16 @@ def get_val_by_key(d: Mapping, key: str) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def set_val_by_key(d: MutableMapping, k: str, vv: Any) -> None:
+    """Set key ``k`` to ``vv`` everywhere it occurs in nested ``d`` (every level, every branch; the sibling of
+    :func:`get_val_by_key`, which reads the first occurrence). A key found nowhere is not added."""
+    if k in d:
+        d[k] = vv
+    for sub in d.values():
+        if isinstance(sub, MutableMapping):
+            set_val_by_key(sub, k, vv)
 
 
 def flatten(d: Mapping, parent_key: str = "", sep: str = "_") -> dict[str, Any]:

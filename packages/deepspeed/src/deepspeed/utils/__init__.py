@@ -31,7 +31,7 @@ _ZERO_DEBUG = (
 _Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
             "z3_leaf_parameter", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 
-__all__ = ["OnDevice", "RepeatingLoader", "get_log_level_from_string", "log_dist", "logger",
+__all__ = ["OnDevice", "RepeatingLoader", "get_log_level_from_string", "instrument_w_nvtx", "log_dist", "logger",
            "set_log_level_from_string", *_ZERO_DEBUG, *_Z3_LEAF]
 
 
@@ -44,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from deepspeed.utils.init_on_device import OnDevice
 
         return OnDevice
+    if name == "instrument_w_nvtx":
+        from deepspeed.utils.nvtx import instrument_w_nvtx
+
+        return instrument_w_nvtx
     if name in _ZERO_DEBUG or name in _Z3_LEAF:
         import ds_zero.debug
         import ds_zero.zero3.leaf
