@@ -206,8 +206,8 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
             slots = self._slots[g] = [flat.narrow(0, offset, p.numel()).view_as(p)
                                       for p, offset in zip(fg.params, fg.layout.offsets, strict=True)]
         slot = slots[i]
-        if grad is slot or grad.is_sparse or grad.dtype != slot.dtype or grad.device != slot.device:
-            return
+        if grad is slot or grad.is_sparse or grad.requires_grad or grad.dtype != slot.dtype:
+            return  # (a gradient that requires grad: backward(create_graph=True) builds on it; left as it is)
         if grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride():
             return
         slot.copy_(grad)
