@@ -189,3 +189,64 @@ def test_runner_turns_a_rank_outcome_into_a_prompt_error(monkeypatch):
         with pytest.raises(plugin.RankOutcome, match="rank 1 ended with Failed: DID NOT RAISE"):
             result.get(timeout=60)  # without the guard: no result until the timeout, the worker is gone
         assert pool.starmap(_fail_like_pytest, [(0,), (2,)]) == [0, 2]
+
+
+# ------------------------------------------------------------------------------------------- pinned memory
+
+def test_pin_memory_tracker_totals_and_logs_each_doubling(monkeypatch):
+    import deepspeed.utils.pin_memory_tracker as pmt
+
+    infos = []
+    monkeypatch.setattr(pmt.logger, "info", infos.append)
+    tracker = pmt._PinnedMemoryTracker()
+    monkeypatch.setattr(pmt, "_tracker", tracker)
+    gb = 1 << 30
+    pmt.track_pinned_memory(31 * gb)
+    assert infos == [] and tracker._next_checkpoint == 32 * gb
+    pmt.track_pinned_memory(2 * gb)  # 33 GB: crosses 32
+    pmt.track_pinned_memory(100 * gb)  # 133 GB: crosses 64 and 128 in one call, logged once
+    assert tracker._bytes == 133 * gb and tracker._calls == 3 and tracker._next_checkpoint == 256 * gb
+    assert len(infos) == 2 and "crossed 32.000 GB" in infos[0] and "crossed 128.000 GB" in infos[1]
+    pmt.pinned_memory_summary("offload")
+    assert infos[-1] == "[pinned-memory offload] 133.000 GB pinned across 3 allocations"
+    assert [pmt._fmt_bytes(n) for n in (512, 2048, 1 << 20)] == ["512 B", "2.0 KB", "1.00 MB"]
+
+
+def test_accelerator_pin_memory_counts_pinned_copies_only(monkeypatch):
+    import deepspeed.accelerator.abstract_accelerator as abstract
+    from deepspeed.accelerator import get_accelerator
+
+    seen = []
+    monkeypatch.setattr(abstract, "track_pinned_memory", seen.append)
+    t = torch.zeros(256)
+    out = get_accelerator().pin_memory(t)
+    # no CUDA here: nothing can be pinned, the tensor comes back unchanged and nothing is counted
+    assert (out is t and seen == []) or (out.is_pinned() and seen == [t.nbytes])
+
+
+# ------------------------------------------------------------------------------------------- parallel_state_sp
+
+def _sp_groups():
+    import torch.distributed as dist
+
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_mpu
+
+    try:
+        sp_mpu.get_sequence_parallel_group()
+    except RuntimeError as exc:
+        before = str(exc)
+    sp_mpu.initialize_sequence_parallel(2)
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=sp_mpu.get_sequence_parallel_group())
+    return (before, sp_mpu.get_sequence_parallel_world_size(), sp_mpu.get_sequence_parallel_rank(),
+            sp_mpu.get_sequence_data_parallel_world_size(), sp_mpu.get_sequence_data_parallel_rank(),
+            sp_mpu.get_model_parallel_rank(), t.item())
+
+
+def test_parallel_state_sp_builds_consecutive_sequence_groups():
+    from _harness import run_distributed
+
+    out = run_distributed(_sp_groups, world_size=4, timeout=60)
+    assert all("initialize_sequence_parallel" in o[0] for o in out)
+    assert [o[1:] for o in out] == [(2, 0, 4, 0, 0, 1.0), (2, 1, 4, 1, 1, 1.0), (2, 0, 4, 2, 0, 5.0),
+                                    (2, 1, 4, 3, 1, 5.0)]

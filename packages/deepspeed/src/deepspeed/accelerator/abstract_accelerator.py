@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from deepspeed.utils.pin_memory_tracker import track_pinned_memory
+
 
 class DeepSpeedAccelerator(abc.ABC):
     """One device family (``cpu`` or ``cuda``). ``_name`` is the torch device type; ``_communication_backend_name``
@@ -190,8 +192,13 @@ class DeepSpeedAccelerator(abc.ABC):
 
     # -- tensors ------------------------------------------------------------------------------------------
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Page-locked copy of a host tensor (for fast async host-to-device copies); unchanged without one."""
-        return tensor.pin_memory() if torch.cuda.is_available() else tensor
+        """Page-locked copy of a host tensor (for fast async host-to-device copies); unchanged without one.
+        Every pinned copy is counted by ``deepspeed.utils.pin_memory_tracker``."""
+        if not torch.cuda.is_available():
+            return tensor
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.nbytes)
+        return pinned
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return torch.cuda.is_available() and tensor.is_pinned()

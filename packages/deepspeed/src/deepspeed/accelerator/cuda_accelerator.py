@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
+from deepspeed.utils.pin_memory_tracker import track_pinned_memory
 
 
 class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
@@ -99,7 +100,9 @@ class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class 
 
     # -- tensors, ranges, environment ---------------------------------------------------------------------
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        return tensor.pin_memory()
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.nbytes)  # the process's pinned total (deepspeed.utils.pin_memory_tracker)
+        return pinned
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
