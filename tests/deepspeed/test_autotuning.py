@@ -402,7 +402,7 @@ def test_experiment_command_and_timeout(tmp_path):
                               no_python=True, no_local_rank=True, module=False, bind_cores_to_rank=False,
                               no_ssh_check=False, launcher="pdsh", launcher_args="", bind_core_list=None,
                               ssh_port=None)
-    rm = ResourceManager(args, {"localhost": [0, 1]}, str(tmp_path / "res"), str(tmp_path / "exps"),
+    rm = ResourceManager(args, {"localhost": [0, 1]}, None, str(tmp_path / "res"), str(tmp_path / "exps"),
                          {"train_micro_batch_size_per_gpu": "--mbs"}, timeout_s=2.0, overwrite=False)
     exp = {"name": "slow", DS_CONFIG: {"train_micro_batch_size_per_gpu": 8}, "num_gpus": 2, "num_nodes": 1}
     started = time.perf_counter()
@@ -426,7 +426,7 @@ def test_experiment_command_and_timeout(tmp_path):
     assert rm.run([exp])[0].error.startswith("exit code 3")
     assert json.loads((tmp_path / "res" / "slow" / "exp.json").read_text())["job"]["user_args"][:2] == \
         ["-c", "exit 3"]
-    hostfile_rm = ResourceManager(args, {"w0": [0, 1], "w1": [0, 1]}, str(tmp_path), str(tmp_path), None, 1.0,
+    hostfile_rm = ResourceManager(args, {"w0": [0, 1], "w1": [0, 1]}, None, str(tmp_path), str(tmp_path), None, 1.0,
                                   False, from_hostfile=True)
     launcher = hostfile_rm.launcher_args({"num_gpus": 1, "num_nodes": 2, "exp_id": 3})
     assert launcher[launcher.index("--include") + 1] == "w0:0@w1:0"

@@ -250,3 +250,17 @@ def test_parallel_state_sp_builds_consecutive_sequence_groups():
     assert all("initialize_sequence_parallel" in o[0] for o in out)
     assert [o[1:] for o in out] == [(2, 0, 4, 0, 0, 1.0), (2, 1, 4, 1, 1, 1.0), (2, 0, 4, 2, 0, 5.0),
                                     (2, 1, 4, 3, 1, 5.0)]
+
+
+# ------------------------------------------------------------------------------------------- ResourceManager
+
+def test_resource_manager_takes_deepspeeds_positional_signature(tmp_path):
+    from deepspeed.autotuning.scheduler import ResourceManager
+
+    rm = ResourceManager(None, "worker-0, worker-1", 4, str(tmp_path), str(tmp_path), {" mbs ": " --mbs "})
+    assert rm.active_resources == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
+    assert rm.arg_mappings == {"mbs": "--mbs"} and rm.num_gpus_per_node == 4
+    ours = ResourceManager(None, {"h": [1, 3]}, None, str(tmp_path), str(tmp_path), None)
+    assert ours.nodes == ["h"] and ours.num_gpus_per_node == 2
+    with pytest.raises(ValueError, match="num_gpus_per_node=None"):
+        ResourceManager(None, ["h"], None, str(tmp_path), str(tmp_path), None)

@@ -100,7 +100,7 @@ class Autotuner(MicroBatchSearch):
             if self.autotuning_config.overwrite and os.path.isdir(folder):
                 shutil.rmtree(folder)
             os.makedirs(folder, exist_ok=True)
-        self.rm = ResourceManager(args, active_resources, self.results_dir, self.exps_dir,
+        self.rm = ResourceManager(args, active_resources, None, self.results_dir, self.exps_dir,
                                   self.autotuning_config.arg_mappings, _timeout_s(),
                                   self.autotuning_config.overwrite, from_hostfile)
         self.exp_num_nodes, self.exp_num_gpus = self._get_exp_resources(args)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,14 +79,36 @@ class ExperimentResult:
         return None if self.error else metric_value(self.metrics, metric)
 
 
+def _active_resources(hosts: Mapping[str, list[int]] | Iterable[str] | str,
+                      num_gpus_per_node: int | None) -> dict[str, list[int]]:
+    if isinstance(hosts, Mapping):
+        resources = {str(h): list(slots) for h, slots in hosts.items()}
+    else:
+        names = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else [str(h).strip() for h in hosts]
+        if isinstance(num_gpus_per_node, bool) or not isinstance(num_gpus_per_node, int) or num_gpus_per_node < 1:
+            raise ValueError(f"ResourceManager: num_gpus_per_node={num_gpus_per_node!r} must be a positive integer "
+                             "when hosts are given by name")
+        resources = {h: list(range(num_gpus_per_node)) for h in names if h}
+    if not resources or not all(resources.values()):
+        raise ValueError(f"ResourceManager: hosts={hosts!r} names no host with a slot; expected {{host: [slot, ...]}}"
+                         " or host names with num_gpus_per_node")
+    return resources
+
+
 class ResourceManager:
     """Runs experiments on the selected ranks: ``run(exps)`` launches each (or reuses a finished result when
-    ``overwrite`` is off) and returns their results. ``active_resources``: ``{host: [slot, ...]}``."""
+    ``overwrite`` is off) and returns their results.
 
-    def __init__(self, args: argparse.Namespace, active_resources: dict[str, list[int]], results_dir: str,
-                 exps_dir: str, arg_mappings: dict[str, str] | None, timeout_s: float, overwrite: bool,
+    DeepSpeed's positional signature: ``hosts`` is either the active resources ``{host: [slot, ...]}`` (the
+    autotuner passes these) or DeepSpeed's list of host names (a comma-separated string too), each then holding
+    slots ``0 .. num_gpus_per_node - 1``. ``timeout_s`` bounds one experiment (None: no limit)."""
+
+    def __init__(self, args: argparse.Namespace, hosts: Mapping[str, list[int]] | Iterable[str] | str,
+                 num_gpus_per_node: int | None, results_dir: str, exps_dir: str,
+                 arg_mappings: dict[str, str] | None, timeout_s: float | None = None, overwrite: bool = True,
                  from_hostfile: bool = False) -> None:
         self.args = args
+        active_resources = _active_resources(hosts, num_gpus_per_node)
         self.nodes = list(active_resources)
         self.active_resources = active_resources
         self.num_gpus_per_node = min(len(slots) for slots in active_resources.values())
