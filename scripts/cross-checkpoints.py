@@ -60,7 +60,9 @@ CASES: dict[str, tuple[dict, str]] = {
     "stage3-bf16": ({"zero_optimization": _zero(3), "bf16": {"enabled": True}}, "mlp"),
     "moe-ep2-stage0": ({"zero_optimization": _zero(0)}, "moe"),
     "moe-ep2-stage2": ({"zero_optimization": _zero(2)}, "moe"),
-    "pipe-2stages": ({"zero_optimization": _zero(0)}, "pipe"),
+    # clipping off: DeepSpeed >= 0.19.3 clips at 1.0 by default, and its fp32 pipeline norm counts only the first
+    # stage (docs/deviations.md, "Pipeline parallelism"); this case is about the checkpoint crossing
+    "pipe-2stages": ({"zero_optimization": _zero(0), "gradient_clipping": 0.0}, "pipe"),
 }
 
 
