@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import torch
 
 from ds_ops import reference
 from ds_ops.cpu_optimizer import CPUOptimizer, Item
@@ -20,7 +22,8 @@ class DeepSpeedCPUAdagrad(CPUOptimizer):
 
     The accumulator is stored as ``sum`` (``torch.optim.Adagrad``'s name, so state_dicts interoperate);
     DeepSpeed's ``exp_avg_sq`` is accepted on load. Dtypes, the fused copy and the fallback work as in
-    :class:`~ds_ops.adam.DeepSpeedCPUAdam`.
+    :class:`~ds_ops.adam.DeepSpeedCPUAdam`. Sparse (COO) gradients, such as ``nn.Embedding(sparse=True)``'s,
+    update only the entries they hold, param and accumulator alike, as ``torch.optim.Adagrad`` does.
     """
 
     STATE_NAMES = ("sum",)
@@ -48,3 +51,47 @@ class DeepSpeedCPUAdagrad(CPUOptimizer):
         self._hyper(group)
         reference.adagrad_update([it[0] for it in items], [it[1] for it in items], [it[2][0] for it in items],
                                   lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None,
+             fp16_param_groups: Sequence[Sequence[torch.Tensor]] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hidden = []  # sparse grads are applied here; the dense pass must not see them
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and p.grad.is_sparse:
+                    self._sparse_update(group, gi, pi, p)
+                    if fp16_param_groups is not None:
+                        target = fp16_param_groups[gi][pi]
+                        target.copy_(p.view(target.shape))
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            super().step(None, fp16_param_groups)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        return loss
+
+    def _sparse_update(self, group: dict[str, Any], gi: int, pi: int, p: torch.Tensor) -> None:
+        self._hyper(group)
+        grad = p.grad
+        if not (p.is_cpu and p.is_floating_point() and grad.is_cpu and grad.shape == p.shape):
+            raise ValueError(f"{type(self).__name__}: sparse grad of param {pi} of group {gi} is {grad.dtype} "
+                             f"{tuple(grad.shape)} on {grad.device} for a {p.dtype} {tuple(p.shape)} param on "
+                             f"{p.device}; expected a CPU grad of the param's shape")
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        state["step"] += 1
+        grad = grad.coalesce()
+        where = tuple(grad.indices())  # one index tensor per sparse dim; dense dims stay whole (hybrid COO)
+        values = p.data[where]
+        sums = state["sum"][where]
+        reference.adagrad_update([values], [grad.values()], [sums], lr=group["lr"], eps=group["eps"],
+                                 weight_decay=group["weight_decay"])
+        p.data[where] = values
+        state["sum"][where] = sums
