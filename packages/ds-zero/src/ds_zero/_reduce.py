@@ -18,10 +18,11 @@ Stage 2 (``every_micro_step``) reduces after every backward and adds into its pe
 reduces the whole accumulated gradient at the accumulation boundary and replaces the partitions.
 ``contiguous_gradients`` keeps the communication buffers, and the point-to-point exchange's staging buffers
 (as many elements as this rank owns of the largest bucket), allocated and reuses them: no allocation in the hot
-path, no page faults (a fresh 12 MB receive buffer per step cost ~3,000 of them); without it each bucket gets
-fresh buffers that are freed after its reduction. Stage 2 copies each gradient into the next bucket's buffer
-as it lands and frees it at once (DeepSpeed's contiguous-gradient copy), so autograd reuses that memory for the
-next layer's gradient rather than handing a whole model's gradients back to the OS every step.
+path; without it each bucket gets fresh buffers that are freed after its reduction. Stage 2 copies each
+gradient into the next bucket's buffer as it lands and frees it at once (DeepSpeed's contiguous-gradient copy),
+so autograd reuses that memory for the next layer's gradient rather than handing a whole model's gradients back
+to the OS every step (with a fresh receive buffer per bucket: 6,100 page faults per step on a 6.3M-parameter
+MLP, none now).
 Ownership: a bucket's buffer belongs to backward (filled by ``grad_ready``) until its launch, then to the
 collective until ``_complete`` has waited for it; its staging buffer is written by the receives from launch
 until ``_sum_received`` has waited for them, then read once and returned to the pool.
