@@ -42,9 +42,9 @@ def test_embedding_sparse_and_dense_params_in_one_step():
     ref_opt = torch.optim.Adagrad(list(ref_emb.parameters()) + list(ref_lin.parameters()), lr=0.05)
     tokens = torch.tensor([[1, 4, 4, 8]])
     for _ in range(3):
-        for e, l, o in ((emb, lin, opt), (ref_emb, ref_lin, ref_opt)):
+        for embed, head, o in ((emb, lin, opt), (ref_emb, ref_lin, ref_opt)):
             o.zero_grad()
-            l(e(tokens)).pow(2).sum().backward()
+            head(embed(tokens)).pow(2).sum().backward()
             o.step()
     torch.testing.assert_close(emb.weight, ref_emb.weight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lin.weight, ref_lin.weight, rtol=1e-5, atol=1e-6)
