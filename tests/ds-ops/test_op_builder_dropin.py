@@ -17,6 +17,7 @@ import torch
 import ds_ops
 from ds_ops import OpBuildError, report
 from ds_ops.op_builder import ALL_OPS, OpBuilder, all_builders, op_tables
+from ds_ops.op_builder.kernel_builders import NOT_BUILT_BUILDERS
 
 # DeepSpeed's class name -> its NAME, for every DeepSpeed op this project has
 DEEPSPEED_BUILDERS = {
@@ -116,10 +117,29 @@ def test_installed_means_loads_without_compiling(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     installed, compatible, loads, native = json.loads(out.stdout.strip().splitlines()[-1])
     assert installed == loads
+    not_built = {cls.NAME for cls in NOT_BUILT_BUILDERS}  # DeepSpeed's ops of features this version lacks
     for name, is_native in native.items():
         if is_native:
             assert compatible[name] == installed[name]  # only a prebuilt library can load here
+        elif name in not_built:
+            assert not installed[name] and not compatible[name]
         else:
             assert installed[name] and compatible[name]
+    assert not_built and not_built <= set(native)
     assert any(native.values()) and not all(native.values())
     assert issubclass(ALL_OPS["cpu_adam"], OpBuilder)
+
+
+def test_deepspeeds_other_op_names_answer_compatibility():
+    """Every op name DeepSpeed exports resolves: torch-implemented ones load their module, the ops of features
+    this version lacks say so (incompatible, and load() names the feature) so callers can skip them."""
+    from ds_ops.op_builder import InferenceBuilder, SparseAttnBuilder, StochasticTransformerBuilder, TransformerBuilder
+
+    _, compatible = op_tables()
+    assert TransformerBuilder().load().DeepSpeedTransformerLayer is ds_ops.transformer.DeepSpeedTransformerLayer
+    assert StochasticTransformerBuilder.NAME == "stochastic_transformer" and compatible["transformer"]
+    assert SparseAttnBuilder().load().SparseSelfAttention is ds_ops.sparse_attention.SparseSelfAttention
+    assert compatible["sparse_attn"] and not compatible[InferenceBuilder.NAME]
+    with pytest.raises(OpBuildError, match="'transformer_inference' is part of the CUDA inference kernels"):
+        InferenceBuilder().load()
+    assert not InferenceBuilder().is_compatible() and not InferenceBuilder().is_built()

@@ -30,6 +30,7 @@ from ds_ops.op_builder._cpu import (
     supported_simd_levels,
 )
 from ds_ops.op_builder.builders import BandwidthProbeBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+from ds_ops.op_builder.kernel_builders import NOT_BUILT_BUILDERS, TORCH_BUILDERS, NotBuiltOpBuilder
 from ds_ops.op_builder.torch_ops import FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, TorchOpBuilder
 
 # Builder class name -> module that defines it and registers it on import.
@@ -48,7 +49,8 @@ def register_builder(cls: type) -> type:
     return cls
 
 
-for _cls in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder):
+for _cls in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
+             *TORCH_BUILDERS, *NOT_BUILT_BUILDERS):  # the last two: DeepSpeed's other op names (kernel_builders)
     register_builder(_cls)
 
 
@@ -71,6 +73,8 @@ def is_installed(builder: Any) -> bool:
     build does not count, as in DeepSpeed). Ops without native code (async_io over cffi's ABI mode, the fused
     optimizers on torch's kernels) are installed with the package.
     """
+    if isinstance(builder, NotBuiltOpBuilder):
+        return False
     return not isinstance(builder, OpBuilder) or builder.prebuilt_path() is not None
 
 
@@ -111,11 +115,13 @@ __all__ = [
     "FusedAdamBuilder",
     "FusedLambBuilder",
     "FusedLionBuilder",
+    "NotBuiltOpBuilder",
     "OpBuildError",
     "OpBuilder",
     "SIMD_ENV",
     "SIMD_LEVELS",
     "TorchOpBuilder",
+    *(c.__name__ for c in TORCH_BUILDERS + NOT_BUILT_BUILDERS),
     "all_builders",
     "best_simd_level",
     "cache_root",
