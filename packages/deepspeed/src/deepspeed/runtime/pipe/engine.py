@@ -26,7 +26,7 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.peer_failure import named_peer_failures
-from deepspeed.runtime.pipe import _checkpoint
+from deepspeed.runtime.pipe import _checkpoint, clipping
 from ds_config import ConfigError, ConfigProblem
 from ds_pipe import module as pipe_module
 from ds_pipe import schedule
@@ -85,6 +85,8 @@ class PipelineEngine(DeepSpeedEngine):
         self._compute_loss = True
         self.pipe_buffers: dict[str, list[Any]] = {}
         self._links = self._build_links(model, config)
+        self._clip_in_bf16 = clipping.clips_bf16_grads(self.optimizer, self.zero_optimization_stage(),
+                                                       self.gradient_clipping())
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             from deepspeed.runtime.dataloader import RepeatingLoader
 
@@ -345,9 +347,23 @@ class PipelineEngine(DeepSpeedEngine):
         self._boundary_override = True
         try:
             self._step_applied = False
-            self._take_model_step(lr_kwargs)
+            if self._clip_in_bf16:
+                self._take_bf16_clipped_step(lr_kwargs)
+            else:
+                self._take_model_step(lr_kwargs)
         finally:
             self._boundary_override = False
+
+    def _take_bf16_clipped_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        """bf16 with bf16 gradients: clip them before the optimizer upcasts them, as DeepSpeed's pipeline does
+        (``clipping``), and step without the optimizer's own clipping."""
+        norm = clipping.clip_bf16_grads(self.optimizer, self.gradient_clipping(), self.device)
+        clip, self.optimizer.clip = self.optimizer.clip, 0.0
+        try:
+            self._take_model_step(lr_kwargs)
+        finally:
+            self.optimizer.clip = clip
+        self.optimizer.global_grad_norm = norm
 
     # ---- results ---------------------------------------------------------------------------------------------
     def _aggregate_total_loss(self) -> torch.Tensor:
