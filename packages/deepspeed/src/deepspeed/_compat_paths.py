@@ -81,6 +81,7 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.inference.v2": "DeepSpeed-FastGen ragged-batching inference (deepspeed.inference.v2)",
     "deepspeed.module_inject.containers": "inference kernel injection (deepspeed.module_inject.containers)",
     "deepspeed.ops.transformer.inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    "deepspeed.model_implementations": "inference kernel injection (deepspeed.module_inject.containers)",
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
     "deepspeed.linear": "the LoRA-optimized and quantized linear layers (deepspeed.linear: OptimizedLinear, "
                         "LoRAConfig, QuantizationConfig)",
