@@ -11,7 +11,7 @@ import math
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, PlainValidator, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from ds_config._base import (
     AUTO,
@@ -48,7 +48,7 @@ from ds_config.precision import AMPConfig, BF16Config, DataTypesConfig, FP16Conf
 from ds_config.scheduler import SchedulerConfig
 from ds_config.sparse_attention import SparseAttentionConfig
 from ds_config.training_features import EigenvalueConfig, ProgressiveLayerDropConfig
-from ds_config.unbuilt import HybridEngineConfig, NebulaConfig, TimersConfig, warn_inert_keys
+from ds_config.unbuilt import HybridEngineConfig, InertConfigKeyWarning, NebulaConfig, TimersConfig, warn_inert_keys
 from ds_config.zero import DeepSpeedZeroConfig
 
 
@@ -199,6 +199,7 @@ class DeepSpeedConfig(DSConfigModel):
     @classmethod
     def _deepspeed_only_keys(cls, data: Any, info: ValidationInfo) -> Any:
         if isinstance(data, dict) and not is_own_state(cls, data, info):
+            data = _drop_dotted_keys(cls, data)
             warn_inert_keys(data)
             if data.get("zero_optimization") is True and data.get("allgather_size") is not None:
                 warnings.warn("a boolean 'zero_optimization' is deprecated; use {\"stage\": N} (allgather_size "
@@ -334,6 +335,20 @@ class DeepSpeedConfig(DSConfigModel):
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain JSON-ready data (defaults filled in)."""
         return self.model_dump(mode="json", exclude_none=False)
+
+
+def _drop_dotted_keys(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys such as ``"zero_optimization.reduce_bucket_size"`` (TRL's ``prepare_deepspeed`` writes
+    them): DeepSpeed reads nested sections only and ignores these, so they are dropped with a warning saying
+    so. A dotted key whose first part is no section stays, and is reported as unknown (a typo)."""
+    sections = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+    dotted = [k for k in data if isinstance(k, str) and "." in k and k.partition(".")[0] in sections]
+    for key in dotted:
+        section, _, rest = key.partition(".")
+        warnings.warn(f"config key '{key}' has no effect: DeepSpeed reads nested sections only and ignores a dotted "
+                      f"top-level name (to set it, write {{\"{section}\": {{\"{rest}\": ...}}}})",
+                      InertConfigKeyWarning, stacklevel=4)
+    return {k: v for k, v in data.items() if k not in dotted} if dotted else data
 
 
 def load_config(source: Any, *, world_size: int | None = None, strict: bool = True) -> DeepSpeedConfig:

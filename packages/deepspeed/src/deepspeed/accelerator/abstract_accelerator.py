@@ -254,6 +254,23 @@ class DeepSpeedAccelerator(abc.ABC):
             )
         self._compile_backend = backend
 
+    # ---- op builders: the ds-ops builders under DeepSpeed's accelerator API ----
+    def op_builder_dir(self) -> str:
+        return "deepspeed.ops.op_builder"
+
+    def get_op_builder(self, class_name: str) -> type | None:
+        """The op-builder class called ``class_name`` (``"CPUAdamBuilder"``, ``"FlashAttentionBuilder"``, ...), or
+        None when there is no such builder. A builder of an op this version does not build reports itself
+        incompatible and refuses ``load()`` with the reason, as DeepSpeed's do on an accelerator without the op."""
+        from ds_ops import op_builder
+
+        return getattr(op_builder, class_name, None) if class_name.endswith("Builder") else None
+
+    def create_op_builder(self, class_name: str) -> Any:
+        """An instance of :meth:`get_op_builder`'s class, or None."""
+        builder = self.get_op_builder(class_name)
+        return builder() if builder is not None else None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, backend={self._communication_backend_name!r})"
 

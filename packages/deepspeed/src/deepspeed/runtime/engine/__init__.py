@@ -67,6 +67,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._config = config
         self.config = config.to_dict()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._window_start = 0  # micro_steps where the current accumulation windows began (set_train_batch_size)
         _setup.place(self, mpu, dp_group)
         self.module = _module.prepare_module(model, config, self.device)
         _setup.cast_buffers(self.module, config)
@@ -290,7 +291,16 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return (self.micro_steps - self._window_start + 1) % self.gradient_accumulation_steps() == 0
+
+    def _require_step_boundary(self, call: str) -> None:
+        """Batch geometry may change only between optimizer steps; the next window counts from here (DeepSpeed
+        counts from step 0, so its first window after a change is cut short: docs/deviations.md)."""
+        done = (self.micro_steps - self._window_start) % self.gradient_accumulation_steps()
+        if done:
+            raise RuntimeError(f"{call}: {done} micro-step(s) of the current accumulation window have gradients "
+                               "waiting; call it after engine.step() has taken the optimizer step")
+        self._window_start = self.micro_steps
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary (e.g. Accelerate's last micro batch); ``None`` restores the counter."""
@@ -421,6 +431,23 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         return checkpointing.save_16bit_model(self, save_dir, save_filename,
                                               exclude_frozen_parameters=exclude_frozen_parameters,
                                               state_dict=state_dict)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The whole model's weights when they are partitioned (ZeRO-3) or sharded (AutoTP): what
+        ``save_16bit_model`` writes and Accelerate's ``get_state_dict`` asks for. Collective."""
+        if self.zero3_scheduler is not None:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.mp_world_size > 1:
+            from deepspeed.runtime.autotp import full_module_state
+
+            state = full_module_state(self.module)
+            if state is not None:
+                if exclude_frozen_parameters:
+                    frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                    state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+                return state
+        raise ValueError("_consolidated_16bit_state_dict: the weights are neither partitioned (ZeRO stage 3) nor "
+                         "tensor-parallel sharded (tensor_parallel.autotp_size > 1); use engine.module.state_dict()")
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] = {},  # noqa: B006 (read only)
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:

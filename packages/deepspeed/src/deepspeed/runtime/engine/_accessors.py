@@ -5,6 +5,7 @@ DeepSpeed's own clients call (``engine.zero_optimization_stage()``, ``engine.gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +17,10 @@ class ConfigAccessors:
     """Mixin for ``DeepSpeedEngine``; requires ``self._config``."""
 
     _config: Any
+    config: dict[str, Any]
+    dp_world_size: int
+
+    _require_step_boundary: Callable[[str], None]  # the engine's: batch geometry changes between steps only
 
     # ---- batch ----
     def train_batch_size(self) -> int:
@@ -26,6 +31,33 @@ class ConfigAccessors:
 
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the gradient accumulation steps; the micro batch stays
+        (DeepSpeed's batch-size ramp-up, e.g. Megatron's ``--rampup-batch-size``). Call it between optimizer
+        steps: the next accumulation window is the new number of micro-steps long."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0 \
+                or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size: train_batch_size={train_batch_size!r} is invalid; accepted: a "
+                             f"positive multiple of train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+        self._require_step_boundary("set_train_batch_size")
+        self._set_batch(train_batch_size, self.train_micro_batch_size_per_gpu(), train_batch_size // per_step)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch; the gradient accumulation steps stay, so the global batch follows."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
+            raise ValueError(f"set_train_micro_batch_size: micro_batch_size={micro_batch_size!r} is invalid; "
+                             "accepted: a positive int")
+        gas = self.gradient_accumulation_steps()
+        self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
+
+    def _set_batch(self, train_batch_size: int, micro_batch_size: int, gas: int) -> None:
+        self._config.train_batch_size = train_batch_size
+        self._config.train_micro_batch_size_per_gpu = micro_batch_size
+        self._config.gradient_accumulation_steps = gas
+        self.config.update(train_batch_size=train_batch_size, train_micro_batch_size_per_gpu=micro_batch_size,
+                           gradient_accumulation_steps=gas)
 
     # ---- ZeRO ----
     def zero_optimization(self) -> bool:

@@ -140,6 +140,13 @@ class DataMethods:
         """Whether ``data_efficiency.data_sampling.curriculum_learning`` (curriculum data sampling) is on."""
         return curriculum_sampling_enabled(self._config)
 
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """A function the training loader applies to each batch (DeepSpeed's data-efficiency hook, used by
+        Megatron-DeepSpeed); without a training loader, nothing to set."""
+        loader = getattr(self, "training_dataloader", None)
+        if loader is not None:
+            loader.post_process_func = post_process_func
+
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
         """``{metric: fn(step) -> difficulty}`` for curriculum metrics with ``schedule_type: custom`` (or, for the
         legacy ``curriculum_learning`` section, one ``fn``)."""
