@@ -137,3 +137,25 @@ def test_dotted_top_level_keys_have_no_effect_and_say_so():
     assert len(messages) == 2 and '{"zero_optimization": {"reduce_bucket_size": ...}}' in messages[0]
     with pytest.raises(ConfigError, match="zero_optimisation.stage: unknown key"):
         load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimisation.stage": 3}, world_size=1)
+
+
+def _pipe_ramp_up_body() -> tuple:
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], num_stages=1,
+                            loss_fn=torch.nn.functional.mse_loss)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    batches = iter([(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(2 + 3)])
+    engine.train_batch(data_iter=batches)
+    engine.set_train_batch_size(6)
+    engine.train_batch(data_iter=batches)  # must take the 3 remaining micro-batches, no more
+    leftover = sum(1 for _ in batches)
+    return engine.micro_batches, engine.global_steps, leftover
+
+
+def test_pipeline_engine_ramp_up_runs_the_new_number_of_micro_batches():
+    assert run_distributed(_pipe_ramp_up_body, world_size=1, timeout=60)[0] == (3, 2, 0)

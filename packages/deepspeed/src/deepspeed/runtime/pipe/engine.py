@@ -107,6 +107,11 @@ class PipelineEngine(DeepSpeedEngine):
         return links
 
     # ---- the documented interface ----------------------------------------------------------------------------
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """As the engine's; ``train_batch`` then runs the new number of micro-batches."""
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.gradient_accumulation_steps()
+
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 
