@@ -17,6 +17,7 @@ CLIP_GRAD = "clip_grad"
 LOSS_SCALER = "loss_scaler"
 FP32_WEIGHT_KEY = "fp32"
 FP32_FLAT_GROUPS = "fp32_flat_groups"
+FP32_GROUPS = "fp32_groups"
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 
 # ---- keys of a model-states file and of one universal-checkpoint parameter file
@@ -61,6 +62,7 @@ PARAMETER_TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
 PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
+PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"  # Megatron's fused SwiGLU weights
 SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"
 SUB_PARAMS_SHAPE = "sub_params_shape"
 
