@@ -448,11 +448,11 @@ def _child(work: str, rank: int, port: int) -> None:
 
         real = _save.stage_file
 
-        def stop_before_optimizer_file(obj, path):
+        def stop_before_optimizer_file(obj, path, *more):
             if "optim_states" in os.path.basename(path):
                 open(os.path.join(work, "blocked"), "w").close()
                 time.sleep(120)
-            return real(obj, path)
+            return real(obj, path, *more)
 
         _save.stage_file = stop_before_optimizer_file
     engine.save_checkpoint(save_dir)

@@ -10,6 +10,7 @@ every saved rank's file, and the partitions are cut again (see ``optimizer_state
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -17,10 +18,37 @@ from typing import Any
 
 import torch
 
+from ds_config import DeepSpeedConfig
 from ds_zero.optimizer_state import same_names
 from ds_zero.partition import nccl_alignment
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+
+
+def saved_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (the engine's resolved config dict) as checkpoint files store it under ``ds_config``: only the values
+    that differ from ``ds_config``'s defaults, as DeepSpeed stores the dict the user passed rather than every
+    default (a few hundred bytes instead of ~9 KB in each file). Validating it again gives the same config; a
+    null under a key with no default entry (an unset option of a typed section) is left out too."""
+    return _non_default(dict(config), _default_config())
+
+
+@functools.cache
+def _default_config() -> dict[str, Any]:
+    return DeepSpeedConfig().to_dict()
+
+
+def _non_default(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        default = defaults.get(key)  # None also where the key has no default entry
+        if isinstance(value, dict):
+            inner = _non_default(value, default if isinstance(default, dict) else {})
+            if inner or not isinstance(default, dict):  # an empty section present where none is by default: kept
+                out[key] = inner
+        elif value != default:
+            out[key] = value
+    return out
 
 
 def optim_states_name(dp_rank: int, mp_rank: int = 0, prefix: str = "") -> str:
@@ -74,7 +102,7 @@ class ZeroCheckpointShards:
                  ds_version: str, bf16: bool = False) -> None:
         self.optimizer = optimizer
         self.module = module
-        self.ds_config = dict(ds_config)
+        self.ds_config = saved_config(ds_config)
         self.ds_version = ds_version
         self.prefix = "bf16_" if bf16 else ""
 
@@ -214,7 +242,8 @@ class ZeroCheckpointShards:
         """One optimizer-states file; DeepSpeed's own files pickle a few of its classes, which a weights-only
         load refuses: those are read as inert placeholders (no code from the file runs) and made plain."""
         try:
-            obj = load(name)
+            # mapped: the tensors are copied into the live partitions and optimizer state when applied
+            obj = getattr(load, "mapped", load)(name)
         except Exception as exc:
             if type(exc).__name__ != "UnsafeCheckpointError":
                 raise
@@ -225,7 +254,7 @@ class ZeroCheckpointShards:
 
     def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
         name = f"mp_rank_{ctx.parallel.mp_rank:02d}_model_states.pt"
-        shapes = load(name).get("param_shapes")
+        shapes = getattr(load, "mapped", load)(name).get("param_shapes")  # the engine's read of it, reused
         if not shapes:
             raise ValueError(f"{name} has no 'param_shapes', so the ZeRO partitions of {ctx.tag_dir} cannot be cut "
                              f"for {ctx.parallel.dp_world_size} ranks; load it on {saved_world}")

@@ -100,13 +100,47 @@ def _load_in_place(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> N
     """``optimizer.load_state_dict(state)``, keeping the live ``param_groups`` list and dicts (torch's load puts
     new ones in their place). Other holders of those dicts must go on driving this optimizer: Accelerate builds
     the offload ``DeepSpeedCPUAdam`` over the client torch optimizer's groups, and the client's LR schedule,
-    built on that torch optimizer, writes the lr into them."""
+    built on that torch optimizer, writes the lr into them. The saved tensors are copied into the live state
+    tensors (:func:`_into_live_state`), so none of them is kept."""
     live = optimizer.param_groups
     kept = list(live)
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(_into_live_state(optimizer, state))
     for old, new in zip(kept, optimizer.param_groups, strict=True):
         old.update(new)  # the same "params"; the saved lr, betas, ... and any extra keys
     optimizer.param_groups = live
+
+
+def _into_live_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each saved tensor copied into the optimizer's current tensor of the same parameter and key
+    when it has the same shape and dtype (memory already in use: no allocation, no page faults), else cloned.
+
+    Why: the checkpoint reader maps the files (``load.mapped``), and torch's ``load_state_dict`` keeps the tensors
+    it is given; the optimizer must own its state, not hold views of a file that may later be overwritten."""
+    saved = state.get("state") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        return state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out: dict[Any, Any] = {}
+    for index, entry in saved.items():
+        if not isinstance(entry, dict):
+            out[index] = entry
+            continue
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        current = optimizer.state.get(param, {}) if param is not None else {}
+        out[index] = {key: _into(current.get(key), value) for key, value in entry.items()}
+    return {**state, "state": out}
+
+
+def _into(live: Any, value: Any) -> Any:
+    if not torch.is_tensor(value):
+        return value
+    if live is value:
+        return live
+    if torch.is_tensor(live) and live.shape == value.shape and live.dtype == value.dtype and not live.requires_grad:
+        with torch.no_grad():
+            live.copy_(value)
+        return live
+    return value.detach().clone()
 
 
 def same_names(state: dict[str, Any], opt: Any) -> bool:

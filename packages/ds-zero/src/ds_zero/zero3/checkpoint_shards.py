@@ -157,7 +157,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
     def _check_shapes(self, ctx: Any, load: Callable[[str], Any]) -> None:
         """Before anything is changed: every saved parameter shape must be the model's (names the first that is
         not), so a checkpoint of another model loads nothing."""
-        saved = load(self.model_states_name(0, ctx.parallel.mp_rank))
+        saved = getattr(load, "mapped", load)(self.model_states_name(0, ctx.parallel.mp_rank))  # read once per load
         shapes: dict[str, Any] = {}
         for group in saved.get("param_shapes") or []:
             shapes.update(group)
@@ -179,10 +179,11 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         if not frozen:
             return []
         first = self.model_states_name(0, ctx.parallel.mp_rank)
-        own = load(first)
+        read = getattr(load, "mapped", load)  # the fragments are put together by torch.cat: copies of their own
+        own = read(first)
         saved_world = int(own.get("frozen_partition_count") or own.get("dp_world_size") or 1)
         names = [first] + [self.model_states_name(r, ctx.parallel.mp_rank) for r in range(1, saved_world)]
-        states = [own] + [load(name) for name in names[1:]]
+        states = [own] + [read(name) for name in names[1:]]
         out = []
         for name, param in frozen.items():
             pieces = [(sd.get("frozen_param_fragments") or {}).get(name) for sd in states]
@@ -200,7 +201,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
 
     def _layout_from_param_shapes(self, ctx: Any, load: Callable[[str], Any], saved_world: int) -> list[dict]:
         name = model_states_name(0, ctx.parallel.mp_rank)
-        shapes = load(name).get("param_shapes")
+        shapes = getattr(load, "mapped", load)(name).get("param_shapes")
         if not shapes:
             raise ValueError(f"{name} has no 'param_shapes', so the ZeRO-3 partitions of {ctx.tag_dir} cannot be "
                              f"cut for {ctx.parallel.dp_world_size} ranks; load it on {saved_world}")

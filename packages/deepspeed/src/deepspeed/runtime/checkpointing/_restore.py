@@ -24,7 +24,7 @@ from deepspeed.checkpoint import universal as uc
 from deepspeed.runtime.checkpointing._state import EngineState, ShardContext
 from deepspeed.runtime.checkpointing.checks import check_module_weights, content_error
 from deepspeed.runtime.checkpointing.errors import CheckpointError
-from deepspeed.runtime.checkpointing.serialize import load_file
+from deepspeed.runtime.checkpointing.serialize import load_file, materialize
 from deepspeed.runtime.checkpointing.tp_resize import check_tp_resize
 from deepspeed.utils.logging import logger
 
@@ -59,15 +59,32 @@ class Restore:
 
 
 def file_reader(tag_dir: str, trusted: bool) -> Callable[[str], Any]:
-    """``load(name)``: ``load_file(<tag_dir>/<name>)``; its errors carry ``checkpoint_path`` for the report."""
+    """``load(name)``: ``load_file(<tag_dir>/<name>)``; its errors carry ``checkpoint_path`` for the report.
+
+    ``load.mapped(name)`` reads the same file memory-mapped (``load_file(mmap=True)``), once per load however often
+    it is asked for (the check phase and the apply phase share what was read): for readers that copy what they keep
+    into live tensors or :func:`~deepspeed.runtime.checkpointing.serialize.materialize` it (ZeRO's optimizer files,
+    the model-states file). Plain ``load`` returns objects of the caller's own.
+    """
+    mapped_files: dict[str, Any] = {}
+
     def load(name: str) -> Any:
         return load_file(os.path.join(tag_dir, name), trusted=trusted)
 
+    def mapped(name: str) -> Any:
+        path = os.path.abspath(os.path.join(tag_dir, name))
+        if path not in mapped_files:
+            mapped_files[path] = load_file(path, trusted=trusted, mmap=True)
+        return mapped_files[path]
+
+    load.mapped = mapped  # type: ignore[attr-defined]
     return load
 
 
-def read_model_states(state: EngineState, path: str) -> dict[str, Any]:
-    checkpoint = load_file(path, trusted=state.trusted_load)
+def read_model_states(state: EngineState, path: str, load: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """The model-states file at ``path`` (through ``load.mapped`` when given), checked for DeepSpeed's keys."""
+    mapped = getattr(load, "mapped", None)
+    checkpoint = mapped(path) if mapped is not None else load_file(path, trusted=state.trusted_load)
     if not isinstance(checkpoint, dict):
         raise content_error(path, f"holds a {type(checkpoint).__name__}, not a DeepSpeed model-states dict")
     missing = [key for key in _REQUIRED_KEYS if key not in checkpoint]
@@ -125,7 +142,11 @@ def prepare_restore(state: EngineState, path: str, tag_dir: str, opts: LoadOptio
     """Read and check everything this rank loads from ``tag_dir`` (model states at ``path``, extension files);
     changes nothing and enters no collective. Returns the :class:`Restore` that applies it."""
     load = file_reader(tag_dir, state.trusted_load)
-    checkpoint = read_model_states(state, path)
+    mapped = read_model_states(state, path, load)
+    # The weights only pass through load_state_dict (a copy into the live parameters), so they may stay views of
+    # the mapped file; everything else may be kept (the optimizer's state, the client state): copied out
+    keep_mapped = ("module",) if opts.custom_load_fn is None else ()
+    checkpoint = {key: value if key in keep_mapped else materialize(value) for key, value in mapped.items()}
     universal = state.checkpoint_config.load_universal
     if not universal:  # a universal checkpoint loads at any tensor-parallel size
         check_tp_resize(state, checkpoint, path, opts.optimizer_states, opts.module_only)

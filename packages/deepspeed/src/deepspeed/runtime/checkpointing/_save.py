@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +22,9 @@ from deepspeed.runtime.checkpointing._state import EngineState, ShardContext, pe
 from deepspeed.runtime.checkpointing._sync import arrive, open_meeting
 from deepspeed.runtime.checkpointing._tags import validate_tags
 from deepspeed.runtime.checkpointing.atomic import (
-    atomic_write_text,
+    Syncer,
     commit,
     discard,
-    fsync_dir,
     make_dirs,
     stage_write,
 )
@@ -46,6 +44,7 @@ from deepspeed.runtime.checkpointing.serialize import (
     stage_file,
     with_deepspeed_objects,
 )
+from ds_zero.checkpoint import saved_config
 
 _OP = "save_checkpoint"
 
@@ -56,8 +55,9 @@ def model_states(state: EngineState, client_state: Mapping[str, Any] | None,
     counters, parallel = state.counters, state.parallel
     optimizer = None
     if state.optimizer is not None and not state.optimizer_in_shards():
-        optimizer = compact_for_save(state.optimizer.state_dict())
-    scheduler = None if state.lr_scheduler is None else compact_for_save(state.lr_scheduler.state_dict())
+        optimizer = compact_for_save(state.optimizer.state_dict(), share_views=True)
+    scheduler = (None if state.lr_scheduler is None
+                 else compact_for_save(state.lr_scheduler.state_dict(), share_views=True))
     payload: dict[str, Any] = {
         "module": None if state.module_in_shards() else _shared_module_state(state, exclude_frozen_parameters),
         "buffer_names": [name for name, _ in state.module.named_buffers()],
@@ -76,7 +76,7 @@ def model_states(state: EngineState, client_state: Mapping[str, Any] | None,
         "micro_steps": counters.micro_steps,
         "dp_world_size": parallel.dp_world_size,
         "mp_world_size": parallel.mp_world_size,
-        "ds_config": state.ds_config,
+        "ds_config": saved_config(state.ds_config),  # its non-default values, as DeepSpeed stores the user's dict
         "ds_version": __version__,
     }
     for shard in state.shards:
@@ -87,11 +87,11 @@ def model_states(state: EngineState, client_state: Mapping[str, Any] | None,
 
 def _shared_module_state(state: EngineState, exclude_frozen_parameters: bool) -> dict[str, Any]:
     """The module's state dict minus what extensions keep in their own files (``strip_module_state``: MoE experts)."""
-    weights = module_state_dict(state.module, exclude_frozen_parameters)
-    for shard in state.shards:
-        strip = getattr(shard, "strip_module_state", None)
-        if strip is not None:
-            weights = strip(weights)
+    strips = [strip for strip in (getattr(shard, "strip_module_state", None) for shard in state.shards) if strip]
+    # views of one flat buffer (ZeRO's parameters) stay views, unless stripping leaves part of the buffer unsaved
+    weights = module_state_dict(state.module, exclude_frozen_parameters, share_views=not strips)
+    for strip in strips:
+        weights = strip(weights)
     return weights
 
 
@@ -115,35 +115,59 @@ def _rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str
 
 
 def _stage_rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str, Any] | None,
-                      staged: list[tuple[str, str]]) -> None:
-    """Write this rank's files under temporary names; appends ``(temporary, final path)`` to ``staged``."""
+                      staged: list[tuple[str, str]], latest: list[tuple[str, str]], latest_tag: str | None) -> None:
+    """Write this rank's files under temporary names, all fsynced on return; appends ``(temporary, final path)``
+    to ``staged``, and with ``latest_tag`` the new ``latest`` file's to ``latest`` (renamed only after every rank
+    committed). Each file's fsync runs in the background while the next one is serialized."""
     files = _rank_files(state, ctx, client_state)
-    if files:
-        make_dirs(ctx.tag_dir)
-    for name, obj in files.items():
-        path = os.path.join(ctx.tag_dir, name)
-        staged.append((stage_file(obj, path), path))
-    for shard in state.shards:  # plain files beside the tag dirs (ZeRO's zero_to_fp32.py)
-        copies = getattr(shard, "files_to_copy", None)
-        for name, source in (copies(ctx) if copies is not None else {}).items():
-            if os.path.basename(name) != name or name == LATEST_FILE:
-                raise CheckpointError(f"checkpoint file name {name!r} from {type(shard).__name__} is not a plain "
-                                      "file name or is taken")
-            path = os.path.join(os.path.dirname(ctx.tag_dir), name)
-            with open(source, "rb") as src:
-                staged.append((stage_write(path, lambda dst, src=src: shutil.copyfileobj(src, dst)), path))
+    if files and not os.path.isdir(ctx.tag_dir):
+        os.makedirs(ctx.tag_dir, exist_ok=True)  # its entry is made durable with the renames (_commit)
+    with Syncer() as syncer:
+        for name, obj in files.items():
+            path = os.path.join(ctx.tag_dir, name)
+            staged.append((stage_file(obj, path, syncer), path))
+        for shard in state.shards:  # plain files beside the tag dirs (ZeRO's zero_to_fp32.py)
+            copies = getattr(shard, "files_to_copy", None)
+            for name, source in (copies(ctx) if copies is not None else {}).items():
+                if os.path.basename(name) != name or name == LATEST_FILE:
+                    raise CheckpointError(f"checkpoint file name {name!r} from {type(shard).__name__} is not a "
+                                          "plain file name or is taken")
+                path = os.path.join(os.path.dirname(ctx.tag_dir), name)
+                with open(source, "rb") as src:
+                    content = src.read()
+                if _holds(path, content):  # the previous save's copy: rewriting it would change nothing
+                    continue
+                staged.append((stage_write(path, lambda dst, content=content: dst.write(content), syncer), path))
+        if latest_tag is not None:  # written now, so its fsync overlaps the others'
+            save_dir = os.path.dirname(ctx.tag_dir)
+            make_dirs(save_dir)
+            path = os.path.join(save_dir, LATEST_FILE)
+            latest.append((stage_write(path, lambda dst: dst.write(latest_tag.encode("utf-8")), syncer), path))
 
 
-def _commit(staged: list[tuple[str, str]]) -> None:
-    """Rename every staged temporary into place, then make the renames durable."""
+def _holds(path: str, content: bytes) -> bool:
+    """Whether the file at ``path`` exists with exactly ``content``."""
+    try:
+        if os.path.getsize(path) != len(content):
+            return False
+        with open(path, "rb") as handle:
+            return handle.read() == content
+    except OSError:
+        return False
+
+
+def _commit(staged: list[tuple[str, str]], folders: tuple[str, ...] = ()) -> None:
+    """Rename every staged temporary into place, then make the renames durable (their folders and ``folders``,
+    fsynced together)."""
     for tmp, path in staged:
         try:
             commit(tmp, path)
         except Exception as exc:
             exc.checkpoint_path = path  # type: ignore[attr-defined]
             raise
-    for folder in sorted({os.path.dirname(os.path.abspath(path)) for _, path in staged}):
-        fsync_dir(folder)
+    with Syncer() as syncer:
+        for folder in sorted({os.path.dirname(os.path.abspath(path)) for _, path in staged} | set(folders)):
+            syncer.fsync_dir(folder)
 
 
 def _discard(staged: list[tuple[str, str]]) -> None:
@@ -195,34 +219,42 @@ def save_checkpoint(state: EngineState | Any, save_dir: str | os.PathLike, tag: 
     unchanged = f"'latest' still names {previous!r}" if previous is not None else "no 'latest' was written"
     # 1. every rank writes temporaries; nothing under a final name changes until all of them have succeeded
     staged: list[tuple[str, str]] = []
+    latest: list[tuple[str, str]] = []  # the new 'latest' (rank 0), staged now, renamed in step 3
+    writes_latest = save_latest and latest_writer(state.checkpoint_config, state.parallel)
     error: BaseException | None = None
     try:
-        _stage_rank_files(state, ctx, client_state, staged)
+        _stage_rank_files(state, ctx, client_state, staged, latest, tag if writes_latest else None)
     except Exception as exc:  # shared with the other ranks below, then raised everywhere
         error = exc
     try:
         agree(meeting, _OP, "writing", error, f"Nothing was committed on any rank; {unchanged}.", rank)
     except BaseException:
-        _discard(staged)
+        _discard(staged + latest)
         if new_folder:  # leave no empty tag folder behind (the last rank to empty it removes it)
             with contextlib.suppress(OSError):
                 os.rmdir(ctx.tag_dir)
         raise
-    # 2. rename into place (cannot run out of space; fails only if the folder itself broke)
+    # 2. rename into place (cannot run out of space; fails only if the folder itself broke); a tag folder this
+    # save created is made durable in its parent here too
     error = None
     try:
-        _commit(staged)
+        _commit(staged, (save_dir,) if new_folder and os.path.isdir(ctx.tag_dir) else ())
     except Exception as exc:
         _discard(staged)
         error = exc
-    agree(meeting, _OP, "committing", error, f"{ctx.tag_dir} may hold a mix of old and new files; {unchanged}.", rank)
+    try:
+        agree(meeting, _OP, "committing", error, f"{ctx.tag_dir} may hold a mix of old and new files; {unchanged}.",
+              rank)
+    except BaseException:
+        _discard(latest)
+        raise
     # 3. only now does 'latest' move
     error = None
-    if save_latest and latest_writer(state.checkpoint_config, state.parallel):
+    if latest:
         try:
-            make_dirs(save_dir)
-            atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
+            _commit(latest)
         except Exception as exc:
+            _discard(latest)
             exc.checkpoint_path = os.path.join(save_dir, LATEST_FILE)  # type: ignore[attr-defined]
             error = exc
     agree(meeting, _OP, "updating latest", error, f"The files of {ctx.tag_dir} are complete, but {unchanged}.", rank)

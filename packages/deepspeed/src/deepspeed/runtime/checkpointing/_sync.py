@@ -35,6 +35,9 @@ from deepspeed.runtime.checkpointing.errors import CheckpointError, CheckpointSy
 from deepspeed.runtime.peer_failure import peer_states
 
 _PREFIX = "ds_ckpt"
+_QUICK_POLL_S = 0.001  # seconds between checks of the store while waiting under _QUICK_PHASE_S (16 ranks; more
+_QUICK_PHASE_S = 0.5  # ranks poll proportionally slower), then a growing interval up to _SLOW_POLL_S
+_SLOW_POLL_S = 0.05
 # per process group: (next round number, the keys this process posted in the last completed round)
 _rounds: weakref.WeakKeyDictionary[Any, tuple[int, list[str]]] = weakref.WeakKeyDictionary()
 
@@ -118,13 +121,17 @@ class Meeting:
                 f". Peers: {peers}") from exc
 
     def _wait(self, keys: Sequence[str]) -> list[int]:
-        deadline = time.monotonic() + self.timeout_s
-        delay = 0.001
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        # Ranks usually arrive within a few ms to a few hundred ms of each other (one writes more bytes): poll
+        # finely then, so nobody oversleeps the last arrival; then back off, gentle on the store when a rank is slow
+        quick = _QUICK_POLL_S * max(1.0, len(self.ranks) / 16)
         while not self._store.check(list(keys)):
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return [rank for rank, key in zip(self.ranks, keys, strict=True) if not self._store.check([key])]
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)  # quick for the common case, gentle on the store when one rank is slow
+            waited = now - start
+            time.sleep(quick if waited < _QUICK_PHASE_S else min(waited / 8, _SLOW_POLL_S))
         return []
 
     def _values(self, keys: list[str]) -> list[str]:

@@ -9,12 +9,34 @@ rank's writes succeeded.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import sys
 from collections.abc import Callable
-from typing import BinaryIO
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO
 
 _TMP_MARK = ".tmp-"
+# Start the disk writes of every this many bytes while the rest of the file is still being serialized, so the
+# fsync at the end waits for the tail only (a hint: the fsync alone makes the file durable)
+_WRITEBACK_EVERY = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_start_writeback = _sync_file_range()
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -75,9 +97,102 @@ def discard(tmp: str) -> None:
         pass
 
 
-def stage_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> str:
+class _EarlyWriteback:
+    """The file handle a writer sees: every :data:`_WRITEBACK_EVERY` bytes it asks the kernel to start writing what
+    came so far (``sync_file_range``), so disk writes overlap serialization instead of all waiting for the fsync."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+        self._started = 0  # bytes whose writeback was started
+        self._written = 0
+        try:
+            self._fd: int | None = handle.fileno() if _start_writeback is not None else None
+        except (AttributeError, OSError, ValueError):  # not a real file: nothing to hint
+            self._fd = None
+
+    def write(self, data: Any) -> int:
+        count = self._handle.write(data)
+        self._written += len(data) if count is None else count
+        if self._fd is not None and self._written - self._started >= _WRITEBACK_EVERY:
+            self._handle.flush()
+            _start_writeback(self._fd, self._started, self._written - self._started, _SYNC_FILE_RANGE_WRITE)
+            self._started = self._written
+        return count
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, tell, seek, ... of the real handle
+        return getattr(self._handle, name)
+
+
+def _mark(exc: BaseException, path: str) -> None:
+    """Name ``path`` on ``exc`` for the rank's failure report, unless it names a file already."""
+    if isinstance(exc, Exception) and getattr(exc, "checkpoint_path", None) is None:
+        try:
+            exc.checkpoint_path = path  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__: the message still says what failed
+            pass
+
+
+class Syncer:
+    """fsyncs in background threads (``fsync`` releases the GIL), so one file's flush to disk overlaps writing the
+    next one; :meth:`wait` returns once every submitted fsync is done and raises the first failure (naming its
+    file). Used as a context manager, it waits (and shuts its threads down) on exit."""
+
+    def __init__(self, workers: int = 4) -> None:
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[Future, str]] = []
+
+    def _submit(self, function: Callable[[], None], path: str) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ds-ckpt-fsync")
+        self._pending.append((self._pool.submit(function), path))
+
+    def fsync_file(self, handle: BinaryIO, path: str) -> None:
+        """fsync ``handle``'s file (flushed by the caller) in the background; the caller may close ``handle``."""
+        fd = os.dup(handle.fileno())
+
+        def run() -> None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        self._submit(run, path)
+
+    def fsync_dir(self, folder: str) -> None:
+        self._submit(lambda: fsync_dir(folder), folder)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for future, path in pending:  # all of them, so no fsync still runs on a file the caller then removes
+            exc = future.exception()
+            if exc is not None and error is None:
+                _mark(exc, path)
+                error = exc
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> Syncer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.wait()
+            else:  # already failing: let the fsyncs finish, keep the first error
+                for future, _ in self._pending:
+                    future.exception()
+                self._pending = []
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+
+def stage_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], syncer: Syncer | None = None) -> str:
     """Write ``path``'s new content under a temporary sibling name, flushed and fsynced; returns that name.
 
+    With ``syncer`` the fsync runs in its background thread: the file is durable once ``syncer.wait()`` returned.
     Nothing is visible under ``path`` until :func:`commit`; on error the temporary is removed and the error
     (an ``OSError`` keeps its errno: ENOSPC, EACCES, EIO) gets ``checkpoint_path`` = ``path`` for the report.
     """
@@ -86,16 +201,15 @@ def stage_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> s
     tmp = temp_name(path)
     try:
         with _open_for_write(tmp) as handle:
-            write(handle)
+            write(_EarlyWriteback(handle))
             handle.flush()
-            os.fsync(handle.fileno())
+            if syncer is None:
+                os.fsync(handle.fileno())
+            else:
+                syncer.fsync_file(handle, path)
     except BaseException as exc:
         discard(tmp)
-        if isinstance(exc, Exception) and getattr(exc, "checkpoint_path", None) is None:
-            try:
-                exc.checkpoint_path = path  # type: ignore[attr-defined]
-            except AttributeError:  # an exception type with __slots__: the message still says what failed
-                pass
+        _mark(exc, path)
         raise
     return tmp
 

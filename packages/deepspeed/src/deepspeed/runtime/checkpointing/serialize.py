@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-from deepspeed.runtime.checkpointing.atomic import atomic_write, stage_write
+from deepspeed.runtime.checkpointing.atomic import Syncer, atomic_write, stage_write
 from deepspeed.runtime.checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
@@ -34,38 +34,81 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
     atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
-def stage_file(obj: Any, path: str | os.PathLike) -> str:
-    """``torch.save(obj)`` under a temporary sibling of ``path`` (fsynced); returns it for ``atomic.commit``."""
-    return stage_write(path, lambda handle: torch.save(obj, handle))
+def stage_file(obj: Any, path: str | os.PathLike, syncer: Syncer | None = None) -> str:
+    """``torch.save(obj)`` under a temporary sibling of ``path`` (fsynced, by ``syncer`` in the background when
+    given); returns it for ``atomic.commit``."""
+    return stage_write(path, lambda handle: torch.save(obj, handle), syncer)
 
 
-def _needs_clone(tensor: torch.Tensor) -> bool:
-    """Off the CPU, or a view into a larger storage (``torch.save`` would write the whole storage)."""
-    return tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+def _tensors(item: Any) -> Any:
+    if torch.is_tensor(item):
+        yield item
+    elif isinstance(item, dict):
+        for value in item.values():
+            yield from _tensors(value)
+    elif isinstance(item, (list, tuple)):
+        for value in item:
+            yield from _tensors(value)
 
 
-def compact_for_save(item: Any) -> Any:
-    """``item`` with every tensor that would bloat the file (a view) or needs a device copy replaced by
-    ``clone_tensors_for_torch_save``'s CPU clone; other CPU tensors are kept as they are.
+def _covered_bytes(item: Any) -> dict[int, int]:
+    """CPU storage (by address) -> bytes the distinct tensors of ``item`` hold in it."""
+    seen, covered = set(), {}
+    for tensor in _tensors(item):
+        if tensor.device.type != "cpu":
+            continue
+        size = tensor.numel() * tensor.element_size()
+        if (tensor.data_ptr(), size) in seen:  # the same values twice (tied weights): written once
+            continue
+        seen.add((tensor.data_ptr(), size))
+        key = tensor.untyped_storage().data_ptr()
+        covered[key] = covered.get(key, 0) + size
+    return covered
+
+
+def _needs_clone(tensor: torch.Tensor, covered: dict[int, int]) -> bool:
+    """Off the CPU, or a view into a storage much larger than what the saved object holds of it (``torch.save``
+    writes whole storages). Views that together cover their storage (ZeRO's parameters in one flat buffer) are
+    saved as they are: the storage is written once, as DeepSpeed does, with no copy."""
+    if tensor.device.type != "cpu":
+        return True
+    storage = tensor.untyped_storage().nbytes()
+    if storage == tensor.numel() * tensor.element_size():
+        return False
+    return storage - covered.get(tensor.untyped_storage().data_ptr(), 0) > storage // 64
+
+
+def compact_for_save(item: Any, share_views: bool = False) -> Any:
+    """``item`` with every tensor that would bloat the file (a view into a larger storage) or needs a device copy
+    replaced by ``clone_tensors_for_torch_save``'s CPU clone; other CPU tensors are kept as they are.
+
+    ``share_views``: views that together cover their storage are kept too (see ``_needs_clone``), as DeepSpeed's
+    training checkpoints hold them; files meant for other tools (``save_16bit_model``) leave it off, since some
+    refuse tensors that share memory.
 
     Why not clone everything: copying a 300 MB state costs more than writing it (page faults on fresh
     memory), and saving is synchronous, so sharing the live CPU tensors is safe.
     """
+    return _compact(item, _covered_bytes(item) if share_views else {})
+
+
+def _compact(item: Any, covered: dict[int, int]) -> Any:
     if torch.is_tensor(item):
-        return clone_tensors_for_torch_save(item) if _needs_clone(item) else item.detach()
+        return clone_tensors_for_torch_save(item) if _needs_clone(item, covered) else item.detach()
     if isinstance(item, dict):
-        compacted = type(item)((key, compact_for_save(value)) for key, value in item.items())
+        compacted = type(item)((key, _compact(value, covered)) for key, value in item.items())
         if hasattr(item, "_metadata"):
             compacted._metadata = item._metadata
         return compacted
     if isinstance(item, tuple) and hasattr(item, "_fields"):
-        return type(item)(*(compact_for_save(value) for value in item))
+        return type(item)(*(_compact(value, covered) for value in item))
     if isinstance(item, (list, tuple)):
-        return type(item)(compact_for_save(value) for value in item)
+        return type(item)(_compact(value, covered) for value in item)
     return item
 
 
-def module_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+def module_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False,
+                      share_views: bool = False) -> dict[str, Any]:
     """The module's ``state_dict`` compacted for saving (:func:`compact_for_save`), without parameters that
     have ``requires_grad=False`` when ``exclude_frozen_parameters``."""
     state = module.state_dict()
@@ -73,11 +116,16 @@ def module_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool =
         frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
         for name in frozen:
             state.pop(name, None)
-    return compact_for_save(state)
+    return compact_for_save(state, share_views)
 
 
-def load_file(path: str | os.PathLike, trusted: bool = False, map_location: Any = "cpu") -> Any:
+def load_file(path: str | os.PathLike, trusted: bool = False, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load`` with ``weights_only=True`` (unless ``trusted``), with errors that name the file.
+
+    ``mmap=True`` maps a zip-format file instead of reading it: unpickling reads only the small ``data.pkl``
+    and each tensor's bytes are read when first touched, straight from the page cache. Such tensors stay views of
+    the file (private, copy-on-write), so a caller that keeps them copies them out (:func:`materialize`, or
+    ``copy_`` into live tensors); the legacy (non-zip) format is read as usual.
 
     A missing file raises ``FileNotFoundError``; an unreadable one :class:`CorruptCheckpointError` whose
     ``reason`` says why in plain words ("empty file", "truncated (...)", "not a checkpoint file (unpickling
@@ -89,6 +137,8 @@ def load_file(path: str | os.PathLike, trusted: bool = False, map_location: Any 
         error.checkpoint_path, error.reason = path, "missing (the file does not exist)"  # type: ignore[attr-defined]
         raise error
     try:
+        if mmap and _is_zip(path):
+            return torch.load(path, map_location=map_location, weights_only=not trusted, mmap=True)
         return torch.load(path, map_location=map_location, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
         names = _unsafe_globals(path) if _WEIGHTS_ONLY_MARK in str(exc) else []
@@ -97,6 +147,35 @@ def load_file(path: str | os.PathLike, trusted: bool = False, map_location: Any 
         raise _corrupt(path, exc) from exc  # not a torch zip file: the unpickler choked on the bytes
     except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError, IndexError, TypeError) as exc:
         raise _corrupt(path, exc) from exc
+
+
+def _is_zip(path: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == _ZIP_MAGIC
+    except OSError:
+        return False
+
+
+def materialize(item: Any) -> Any:
+    """``item`` with every tensor replaced by a copy in memory of its own (tensors a ``load_file(mmap=True)``
+    returned are views of the file); containers are rebuilt, other values kept."""
+    if torch.is_tensor(item):
+        return item.clone()
+    if isinstance(item, dict):
+        pairs = [(key, materialize(value)) for key, value in item.items()]
+        try:
+            out = type(item)(pairs)
+        except TypeError:  # a dict subclass with another constructor
+            out = dict(pairs)
+        if hasattr(item, "_metadata"):
+            out._metadata = item._metadata
+        return out
+    if isinstance(item, tuple) and hasattr(item, "_fields"):
+        return type(item)(*(materialize(value) for value in item))
+    if isinstance(item, (list, tuple)):
+        return type(item)(materialize(value) for value in item)
+    return item
 
 
 def _corrupt(path: str, exc: BaseException) -> CorruptCheckpointError:
