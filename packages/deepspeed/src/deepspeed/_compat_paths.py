@@ -95,6 +95,10 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.io": "the fast file writer (deepspeed.io: FastFileWriter on DeepNVMe)",
     "deepspeed.utils.pin_memory": "DeepNVMe's native pinned-memory allocator (deepspeed.utils.pin_memory)",
     "deepspeed.ops.triton_ops": "the Triton kernels (deepspeed.ops.triton_ops)",
+    "deepspeed.ops.sparse_attention.matmul": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
+                                             "sparse_attention.softmax.Softmax)",
+    "deepspeed.ops.sparse_attention.softmax": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
+                                              "sparse_attention.softmax.Softmax)",
     "deepspeed.inference.quantization": "weight-only quantized inference (deepspeed.inference.quantization)",
     "deepspeed.checkpoint.autoep_universal": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.module_inject.auto_ep_folding": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",

@@ -3,13 +3,14 @@
 ``deepspeed.ops.op_builder`` exports one builder per op, and scripts (DeepSpeed's own tests among them) import
 them to ask ``deepspeed.ops.__compatible_ops__[Builder.NAME]`` before using the op. Two kinds live here:
 
-- ops this version implements in torch (the transformer kernel layer, block-sparse attention): a
+- ops this version implements in torch (the transformer kernel layer): a
   :class:`~ds_ops.op_builder.torch_ops.TorchOpBuilder`, compatible wherever torch runs, ``load()`` returning the
   module that implements the op;
 - ops of features this version does not have (inference kernels, FastGen's ragged ops, FP8/FP6 and int8
-  quantizer kernels, GPUDirect Storage, ...): a :class:`NotBuiltOpBuilder`, never compatible, never installed,
-  whose ``load()`` raises :class:`OpBuildError` naming the feature (as DeepSpeed's builders do for ops a machine
-  cannot run), so callers skip them instead of failing at import.
+  quantizer kernels, GPUDirect Storage, the Triton block-sparse kernels ``sparse_attn`` names: this version's
+  block-sparse attention runs on torch without them, ...): a :class:`NotBuiltOpBuilder`, never compatible,
+  never installed, whose ``load()`` raises :class:`OpBuildError` naming the feature (as DeepSpeed's builders
+  do for ops a machine cannot run), so callers skip them instead of failing at import.
 """
 
 from __future__ import annotations
@@ -34,14 +35,6 @@ class StochasticTransformerBuilder(TransformerBuilder):
 
     NAME = "stochastic_transformer"
     BUILD_VAR = "DS_BUILD_STOCHASTIC_TRANSFORMER"
-
-
-class SparseAttnBuilder(TorchOpBuilder):
-    """Block-sparse self-attention, in torch (``ds_ops.sparse_attention``)."""
-
-    NAME = "sparse_attn"
-    BUILD_VAR = "DS_BUILD_SPARSE_ATTN"
-    MODULE = "ds_ops.sparse_attention"
 
 
 class NotBuiltOpBuilder:
@@ -101,11 +94,14 @@ GDSBuilder = _not_built("GDSBuilder", "gds", "GPUDirect Storage (DeepNVMe's GDS 
 PinMemoryBuilder = _not_built("PinMemoryBuilder", "pin_memory", "DeepNVMe's native pinned-memory allocator")
 UtilsBuilder = _not_built("UtilsBuilder", "utils", "the native tensor utilities (flatten, byte casts)")
 DeepCompileBuilder = _not_built("DeepCompileBuilder", "dc", "DeepCompile (compiler-driven ZeRO passes)")
+SparseAttnBuilder = _not_built("SparseAttnBuilder", "sparse_attn", "the Triton block-sparse kernels "
+                               "(sparse_attention.matmul.MatMul, sparse_attention.softmax.Softmax)")
 
-TORCH_BUILDERS = (TransformerBuilder, StochasticTransformerBuilder, SparseAttnBuilder)
+TORCH_BUILDERS = (TransformerBuilder, StochasticTransformerBuilder)
 NOT_BUILT_BUILDERS = (InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder, RaggedOpsBuilder,
                       RaggedUtilsBuilder, SpatialInferenceBuilder, QuantizerBuilder, FPQuantizerBuilder,
-                      EvoformerAttnBuilder, GDSBuilder, PinMemoryBuilder, UtilsBuilder, DeepCompileBuilder)
+                      EvoformerAttnBuilder, GDSBuilder, PinMemoryBuilder, UtilsBuilder, DeepCompileBuilder,
+                      SparseAttnBuilder)
 
 __all__ = ["NOT_BUILT_BUILDERS", "NotBuiltOpBuilder", "TORCH_BUILDERS", *(c.__name__ for c in TORCH_BUILDERS),
            *(c.__name__ for c in NOT_BUILT_BUILDERS)]
