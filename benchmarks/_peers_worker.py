@@ -241,6 +241,12 @@ def make_step(job: dict, scratch: str):
     return step, None
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this rank's process, every thread (gloo's too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -297,7 +303,11 @@ def rank_main(rank: int, job: dict, port: int, queue) -> None:
         first = slowest(time.time() - LAUNCHED)
         for _ in range(job["warmup"]):
             step()
+        cpu_before = _cpu_s()
         result = {"step_ms": timed_ms(step, job["steps"]), "first_step_s": first}
+        cpu = torch.tensor([(_cpu_s() - cpu_before) * 1000.0 / job["steps"]], dtype=torch.float64)
+        dist.all_reduce(cpu, op=dist.ReduceOp.MAX)  # the busier rank's CPU time: little moved by other jobs' load
+        result["cpu_ms"] = float(cpu)
         if job.get("kind") == "infer":
             per_s = [INFER["batch"] * INFER["new_tokens"] * 1000.0 / ms for ms in result["step_ms"]]
             result["tokens_per_s"] = sorted(per_s)[len(per_s) // 2]

@@ -8,7 +8,10 @@ the newest DeepSpeed release pip offers in its own venv (``scripts/real-deepspee
 the build tree; its ops JIT-built on first use as its docs say for a plain ``pip install``), DDP and FSDP2 in the
 bench env. Repetitions interleave the frameworks (rotating order), so drifting load hits all of them; the table
 gives medians with the [min-max] spread and the ratio ours/peer as the median of per-repetition ratios (< 1:
-ours is faster / smaller). A row a framework cannot run shows its error instead.
+ours is faster / smaller). CPU ms/step is the busier rank's user + system CPU time per timed step (every thread
+of the rank's process): on a shared machine it moves far less with other jobs' load than wall time does, so its
+ratio is the steadier comparison of the work each framework does. A row a framework cannot run shows its error
+instead.
 
 Rows (``--rows``, comma-separated; ``--models mlp,gpt``): ``stage0`` (peers: real DeepSpeed, DDP), ``stage1``,
 ``stage2``, ``stage3`` (+ FSDP2), ``stage2+cpu``, ``stage3+cpu`` (CPU offload of the optimizer, and of the
@@ -172,21 +175,25 @@ def error_of(results: dict, key: tuple[str, str]) -> str | None:
 
 def report(results: dict, labels: list[tuple[str, str]], args: argparse.Namespace, header: str) -> str:
     rows_seen = list(dict.fromkeys(row for row, _ in labels))
-    lines = [header, "", "| row | framework | step ms median [min-max] | ours / this (paired) | peak RSS MiB/rank | "
-             "first step s |", "|---|---|---|---|---|---|"]
+    lines = [header, "", "| row | framework | step ms median [min-max] | ours / this (paired) | CPU ms/step | "
+             "CPU ours / this | peak RSS MiB/rank | first step s |", "|---|---|---|---|---|---|---|---|"]
     for row in rows_seen:
         ours_steps = collect(results, (row, "ours"), "step")
+        ours_cpu = collect(results, (row, "ours"), "cpu_ms")
         for fw in [fw for r, fw in labels if r == row]:
             key = (row, fw)
             err = error_of(results, key)
             if err:
-                lines.append(f"| {row} | {fw} | error: {err} | | | |")
+                lines.append(f"| {row} | {fw} | error: {err} | | | | | |")
                 continue
             steps = collect(results, key, "step")
             ratio = "1" if fw == "ours" else paired_ratio(ours_steps, steps)
             rss = fmt_spread(collect(results, key, "peak_rss_mib"), 0)
             first = fmt_spread(collect(results, key, "first_step_s"), 1) if row.endswith("stage0") else ""
-            lines.append(f"| {row} | {fw} | {fmt_spread(steps)} | {ratio} | {rss} | {first} |")
+            cpu = collect(results, key, "cpu_ms")
+            cpu_ratio = "1" if fw == "ours" else paired_ratio(ours_cpu, cpu)
+            lines.append(f"| {row} | {fw} | {fmt_spread(steps)} | {ratio} | {fmt_spread(cpu)} | {cpu_ratio} | {rss} | "
+                         f"{first} |")
     losses = [f"{row} {fw} {fmt_spread(collect(results, (row, fw), 'last_loss'), 5)}"
               for row, fw in labels if row in ("pipe", "moe") and not error_of(results, (row, fw))]
     if losses:
