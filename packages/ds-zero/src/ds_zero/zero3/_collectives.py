@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ds_zero.gather import P2P_MAX_WORLD
+from ds_zero.zero3.gather_pool import give, take
 from ds_zero.zero3.param import (
     ZeroParamStatus,
     install_full,
@@ -49,6 +50,11 @@ def _use_p2p(space: Any) -> bool:
         hit = (group, world, space.world, dist.get_backend(group) == "gloo" and space.world <= P2P_MAX_WORLD)
         _P2P_CACHE[id(group)] = hit
     return hit[3]
+
+
+def _wait_all(works: list[Any]) -> None:
+    for work in works:  # in a function of its own: no loop variable outlives it holding a work's tensors
+        work.wait()
 
 
 class _Batch:
@@ -95,7 +101,7 @@ class _Batch:
         for p in self.params:
             part = p.ds_tensor.numel()
             if part >= _DIRECT_NUMEL:
-                full = torch.empty(space.world * part, dtype=dtype, device=device)
+                full = take(space.world * part, dtype, device)
                 full.narrow(0, space.rank * part, part).copy_(p.ds_tensor)
                 self.direct.append((p, full))
                 ops += self._exchange(p.ds_tensor, lambda r, full=full, part=part: full.narrow(0, r * part, part))
@@ -116,18 +122,19 @@ class _Batch:
 
     def _pack(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         space = self.space
-        alloc = torch.zeros if space.fetch_all_reduce else torch.empty
-        self.out = alloc(space.world * self.unit, dtype=dtype, device=device)
+        self.out = take(space.world * self.unit, dtype, device)
+        if space.fetch_all_reduce:
+            self.out.zero_()
         mine = self.out.narrow(0, space.rank * self.unit, self.unit)
         for p, offset in zip(self.packed, self.offsets, strict=True):
             mine.narrow(0, offset, p.ds_tensor.numel()).copy_(p.ds_tensor)
         return mine
 
     def finish(self) -> None:
-        for work in self.works:
-            work.wait()
+        _wait_all(self.works)
+        self.works = []  # a finished work still refers to its tensors: the pool keeps only unshared buffers
         for p, full in self.direct:
-            install_full(p, full[:p.ds_numel])
+            install_full(p, full[:p.ds_numel], base=full)
         self.direct = []
         if self.out is None:
             return
@@ -135,10 +142,12 @@ class _Batch:
         grid = self.out.view(world, self.unit)
         for p, offset in zip(self.packed, self.offsets, strict=True):
             part = p.ds_tensor.numel()
-            pieces = grid.narrow(1, offset, part)
             # one parameter's pieces are strided across the rank rows: this copy is its own whole value
-            full = pieces.reshape(-1)[:p.ds_numel] if world > 1 else pieces.reshape(-1)[:p.ds_numel].clone()
-            install_full(p, full)
+            full = take(world * part, grid.dtype, grid.device)
+            full.view(world, part).copy_(grid.narrow(1, offset, part))
+            install_full(p, full[:p.ds_numel], base=full)
+        del grid  # a view of the buffer: the pool keeps only buffers nothing else refers to
+        give(self.out)
         self.out = None
 
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._reduce import ReduceSettings
 from ds_zero.gather import P2P_MAX_WORLD
+from ds_zero.stage_1_and_2 import ReduceSettings
 from ds_zero.zeropp.exchange import all_reduce_sum
 from ds_zero.zeropp.traffic import record
 

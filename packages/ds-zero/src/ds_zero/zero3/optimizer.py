@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._reduce import ReduceSettings
 from ds_zero.collectives import TORCH, Collectives
 from ds_zero.grad_norm import partitioned_norm
 from ds_zero.loss_scaled import LossScaledWrapper
 from ds_zero.partition import Fragment
 from ds_zero.registry import register
+from ds_zero.stage_1_and_2 import ReduceSettings
 from ds_zero.swap.param_swapper import is_swapped
 from ds_zero.zero3._reduce_scatter import ReduceScatter
 from ds_zero.zero3.param import partition_copy

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ds_zero.collectives import TORCH
+from ds_zero.zero3.gather_pool import give as give_full
 
 
 class ZeroParamStatus(Enum):
@@ -68,16 +69,25 @@ def _empty_like(param: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def install_full(param: torch.nn.Parameter, full: torch.Tensor) -> None:
-    """Make ``full`` (``ds_numel`` elements, any layout) the parameter's whole value."""
+def install_full(param: torch.nn.Parameter, full: torch.Tensor, base: torch.Tensor | None = None) -> None:
+    """Make ``full`` (``ds_numel`` elements, any layout) the parameter's whole value; ``base``: the pooled buffer
+    ``full`` lives in (``gather_pool``), given back when the value is released or replaced."""
+    old = param.__dict__.get("ds_full_base")
     param.data = full.view(param.ds_shape)
+    param.ds_full_base = base
     param.ds_status = ZeroParamStatus.AVAILABLE
+    if old is not None:
+        give_full(old)
 
 
-def release_one(param: torch.nn.Parameter) -> None:
-    if param.ds_status is ZeroParamStatus.AVAILABLE and not param.ds_persist:
+def release_one(param: torch.nn.Parameter, include_persistent: bool = False) -> None:
+    if param.ds_status is ZeroParamStatus.AVAILABLE and (include_persistent or not param.ds_persist):
         param.data = _empty_like(param.data)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        base = param.__dict__.get("ds_full_base")
+        if base is not None:
+            param.ds_full_base = None
+            give_full(base)
 
 
 def write_partition_from_full(param: torch.nn.Parameter, full: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
 from ds_zero.zero3._prefetch import TraceCache, TraceSettings
+from ds_zero.zero3.gather_pool import clear as clear_full_pool
 from ds_zero.zero3.linear import use_memory_efficient_linear
 from ds_zero.zero3.param import ZeroParamStatus, is_partitioned, prefetch_partitions, release_one
 
@@ -233,7 +234,9 @@ class ParamScheduler:
 
     def refresh_persistent(self) -> None:
         """Gather the persistent parameters again (after the partitions changed: a step, a load)."""
-        for p in self.persistent:
+        for p in self.persistent:  # released first: the new values take the stale ones' pooled memory
+            if p.ds_status is ZeroParamStatus.AVAILABLE:
+                release_one(p, include_persistent=True)
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         gather_now(self.persistent)
 
@@ -268,6 +271,7 @@ class ParamScheduler:
         for callback in self.on_remove:
             callback()
         self.on_remove = []
+        clear_full_pool()
         for module in self.root.modules():
             if isinstance(module._parameters, _ZeroParamDict):
                 module._parameters.scheduler_ref = None
@@ -456,6 +460,8 @@ class ParamScheduler:
                 p.ds_persist = True
             else:
                 release_one(p)
+        if include_persistent:  # empty_partition_cache: no gathered memory stays behind, kept for reuse or not
+            clear_full_pool()
 
     def end_pass(self) -> None:
         """A pass (forward, plus backward when there was one) is over: release everything and close the trace."""
