@@ -264,3 +264,28 @@ def test_resource_manager_takes_deepspeeds_positional_signature(tmp_path):
     assert ours.nodes == ["h"] and ours.num_gpus_per_node == 2
     with pytest.raises(ValueError, match="num_gpus_per_node=None"):
         ResourceManager(None, ["h"], None, str(tmp_path), str(tmp_path), None)
+
+
+# ------------------------------------------------------------------------------------------- engine.autotp_size
+
+def _engine_autotp_size():
+    import deepspeed
+
+    from _autotp_models import tiny
+
+    model = tiny("llama").train()
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "tensor_parallel": {"autotp_size": 2}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    plain, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
+                                                                           "optimizer": {"type": "SGD",
+                                                                                         "params": {"lr": 0.1}}})
+    return engine.autotp_size(), plain.autotp_size()
+
+
+def test_engine_autotp_size_reads_the_config():
+    from _harness import run_distributed
+
+    out = run_distributed(_engine_autotp_size, world_size=2, timeout=120)
+    assert out[0][0] == out[1][0] == 2
+    assert out[0][1] in (0, 1)

@@ -66,6 +66,10 @@ class ConfigAccessors:
     def zero_optimization_stage(self) -> int:
         return self._config.zero_stage
 
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size``: the AutoTP training degree the config asks for (0 or 1: none)."""
+        return self._config.tensor_parallel.autotp_size
+
     def zero_optimization_partition_gradients(self) -> bool:
         return self._config.zero_stage >= 2
 
