@@ -269,9 +269,9 @@ def test_resource_manager_takes_deepspeeds_positional_signature(tmp_path):
 # ------------------------------------------------------------------------------------------- engine.autotp_size
 
 def _engine_autotp_size():
-    import deepspeed
-
     from _autotp_models import tiny
+
+    import deepspeed
 
     model = tiny("llama").train()
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
