@@ -1,11 +1,12 @@
 """``save_checkpoint``: every rank writes its files into ``<save_dir>/<tag>/``, then ``latest`` is updated.
 
 Order (each arrow a meeting of all ranks, see ``_sync`` and ``_agreement``): agree on the call and the tag ->
-write this rank's files under temporary names (fsynced) -> agree that every rank's writes succeeded -> rename
-them into place -> agree -> rank 0 writes ``latest`` -> agree. A rank that fails to write (ENOSPC, EACCES, EIO,
-an object torch cannot save) makes every rank raise :class:`CheckpointRankError` naming the rank, the file and
-the cause; every rank removes its temporaries, so no file of the tag directory changes (re-saving the tag a
-complete checkpoint already has leaves it loadable) and ``latest`` keeps naming the previous checkpoint.
+write this rank's files (rank 0: and the new ``latest``) under temporary names, fsynced -> agree that every
+rank's writes succeeded -> rename them into place -> agree -> rank 0 renames ``latest`` into place -> agree. A rank
+that fails to write (ENOSPC, EACCES, EIO, an object torch cannot save) makes every rank raise
+:class:`CheckpointRankError` naming the rank, the file and the cause; every rank removes its temporaries, so no
+file of the tag directory changes (re-saving the tag a complete checkpoint already has leaves it loadable) and
+``latest`` keeps naming the previous checkpoint. Speed: ``docs/checkpoint-speed.md``.
 """
 
 from __future__ import annotations
