@@ -81,7 +81,8 @@ def _nested(path: str, value: object) -> dict:
 
 
 # a value DeepSpeed acts on, for each inert key
-ACTIVE = {"hybrid_engine": {"enabled": True}, "nebula": {"enabled": True}, "datastates_ckpt": {},
+ACTIVE = {"hybrid_engine.inference_tp_size": 2, "hybrid_engine.enable_cuda_graph": True, "nebula": {"enabled": True},
+          "datastates_ckpt": {},
           "weight_quantization": {}, "graph_harvesting": True, "disable_python_gc": True,
           "data_types.keep_in_fp32_modules": ["norm"], "zero_optimization.compute_grad_norm": False,
           "zero_optimization.parameter_alignment": True, "quantize_training": {},
@@ -119,7 +120,7 @@ def test_inert_key_warns_naming_itself_when_deepspeed_would_act(path):
 
 
 @pytest.mark.parametrize("config", [
-    {"hybrid_engine": {"enabled": False, "max_out_tokens": 64}}, {"nebula": {"enabled": False}},
+    {"hybrid_engine": {"enabled": True, "max_out_tokens": 64}}, {"nebula": {"enabled": False}},
     {"timers": {"throughput": {"enabled": False}}}, {"graph_harvesting": False},
     {"managed_gradient_accumulation": True}, {"checkpoint": {"checkpoint_serialization": True}},
     {"expert_parallel": {"top_k": "auto", "use_grouped_mm": True}}, {"datastates_ckpt": False},

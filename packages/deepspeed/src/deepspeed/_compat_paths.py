@@ -46,6 +46,7 @@ COMPAT_PATHS: dict[str, str] = {
     # ZeRO-3 (ds-zero, issue 12)
     "deepspeed.zero": "ds_zero.zero3",
     "deepspeed.runtime.zero.partition_parameters": "ds_zero.partition_parameters",
+    "deepspeed.runtime.zero.parameter_offload": "ds_zero.zero3.parameter_offload",
     "deepspeed.runtime.zero.offload_states": "ds_zero.offload_states",
     "deepspeed.runtime.zero.utils": "ds_zero.utils",
     "deepspeed.runtime.zero.tiling": "ds_zero.zero3.tiled_linear",

@@ -113,9 +113,29 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     comm.configure(ds_config)
     if ds_config.expert_parallel.enabled:
         model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer)
+    if ds_config.hybrid_engine.enabled:
+        engine_class = _hybrid_engine_class(engine_class)
     engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,
                           lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _hybrid_engine_class(engine_class: type) -> type:
+    """``hybrid_engine.enabled``: DeepSpeed-Chat's train/generate engine; a pipeline keeps its engine, as in
+    DeepSpeed (which builds the pipeline engine first), and says that the section has no effect."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if engine_class is not DeepSpeedEngine:
+        import warnings
+
+        from ds_config.unbuilt import InertConfigKeyWarning
+
+        warnings.warn("config key 'hybrid_engine' has no effect with a PipelineModule: the pipeline engine is "
+                      "built, as DeepSpeed does", InertConfigKeyWarning, stacklevel=3)
+        return engine_class
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    return DeepSpeedHybridEngine
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -24,7 +24,8 @@ class InertConfigKeyWarning(UserWarning):
 
 
 class HybridEngineConfig(DSConfigModel):
-    """``hybrid_engine``: DeepSpeed-Chat's train/generate hybrid engine (not built; validated only)."""
+    """``hybrid_engine``: DeepSpeed-Chat's train/generate engine (``deepspeed.runtime.hybrid_engine``); its
+    inference-kernel settings are validated only (the module's own layers generate)."""
 
     enabled: Bool = False
     max_out_tokens: Int = 512
@@ -85,7 +86,10 @@ def _timer_off(v: Any) -> bool:
 _AUTOEP = "AutoEP keeps the Hugging Face block's own router and detects blocks by preset only"
 
 INERT_KEYS: tuple[InertKey, ...] = (
-    InertKey("hybrid_engine", _disabled, "DeepSpeed-Chat's hybrid engine (train/generate) is not built"),
+    InertKey("hybrid_engine.inference_tp_size", _is(1), "the hybrid engine generates with the module's own layers "
+             "on its training ranks; tensor-parallel generation with inference kernels is not built"),
+    InertKey("hybrid_engine.enable_cuda_graph", _is(False), "the hybrid engine's CUDA-graph capture of inference "
+             "kernels is not built"),
     InertKey("nebula", _disabled, "the Azure Nebula checkpoint service is not built (DeepSpeed 0.19.8 removed it)"),
     InertKey("datastates_ckpt", _is(None, False), "DataStates-LLM asynchronous checkpointing is not built"),
     InertKey("weight_quantization", _is(None), "quantizing weights at initialisation for training "

@@ -37,6 +37,7 @@ from ds_zero.stage_1_and_2 import ReduceSettings
 from ds_zero.swap.param_swapper import is_swapped
 from ds_zero.zero3._reduce_scatter import ReduceScatter
 from ds_zero.zero3.param import partition_copy
+from ds_zero.zero3.parameter_offload import DeepSpeedZeRoOffload
 from ds_zero.zero3.schedule import ParamScheduler
 
 
@@ -222,6 +223,7 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                  loss_scaler: Any = None, dp_group: Any = None, comm: Collectives = TORCH) -> None:
         self.optimizer = init_optimizer
         self.scheduler = scheduler
+        self.parameter_offload = DeepSpeedZeRoOffload(scheduler)  # DeepSpeed's hook API (TRL's generation path)
         self.settings = settings
         self.loss_scaler = loss_scaler
         self.dp_group = dp_group

@@ -16,8 +16,10 @@ from a forward) become *external* parameters of the running unit, found through 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -158,6 +160,11 @@ class _ZeroParamDict(dict):
         return param
 
 
+def _external_parameters(module: torch.nn.Module) -> list[tuple[int, torch.nn.Parameter]]:
+    """``module.ds_external_parameters()``: the parameters registered as external to it, as DeepSpeed lists them."""
+    return list(module.__dict__.get("_external_params", {}).items())
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -247,6 +254,8 @@ class ParamScheduler:
                 table = _ZeroParamDict(module._parameters)
                 module._parameters = table
             module._parameters.scheduler_ref = ref
+            if "ds_external_parameters" not in module.__dict__:  # DeepSpeed's method on every ZeRO-3 module
+                module.ds_external_parameters = types.MethodType(_external_parameters, module)
         for unit in self.units:
             module = unit.module_ref()
             self._handles.append(module.register_forward_pre_hook(self._hook(self._pre_forward, unit),
@@ -261,6 +270,46 @@ class ParamScheduler:
             scheduler = ref()
             return None if scheduler is None else method(unit, *args)
         return hook
+
+    # ---- the hooks off and on again (generation with every weight gathered: TRL, the hybrid engine) -----------
+    @property
+    def hook_handles(self) -> list[Any]:
+        """The forward hooks' handles (DeepSpeed's ``parameter_offload.forward_hooks``)."""
+        return self._handles
+
+    @hook_handles.setter
+    def hook_handles(self, handles: list[Any]) -> None:
+        self._handles = list(handles)
+
+    def remove_hooks(self) -> None:
+        """Take the gather/release hooks off; the parameters keep their state. ``install_hooks`` restores them."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def install_hooks(self) -> None:
+        """The hooks on every unit again (replacing any still on); the next pass records a fresh trace."""
+        self.remove_hooks()
+        self._install()
+        self.invalidate_trace()
+
+    def invalidate_trace(self) -> None:
+        """Forget the recorded module order (a pass ran without the hooks, or another order is coming)."""
+        self.cache = TraceCache()
+
+    @property
+    def trace_invalid(self) -> bool:
+        return self.cache.trace is None
+
+    @contextlib.contextmanager
+    def hooks_removed(self) -> Iterator[None]:
+        """No gathers or releases by the hooks inside the block (its caller holds the weights it needs)."""
+        self.release_all()  # nothing stays half-fetched when the hooks go
+        self.remove_hooks()
+        try:
+            yield
+        finally:
+            self.install_hooks()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -16,7 +16,7 @@ from ds_zero.zero3 import GatheredParameters
 
 def _hooked_scheduler(engine: Any) -> Any:
     scheduler = getattr(engine, "zero3_scheduler", None)
-    return scheduler if scheduler is not None and getattr(scheduler, "_handles", None) else None
+    return scheduler if scheduler is not None and scheduler.hook_handles else None
 
 
 @contextmanager
@@ -28,12 +28,5 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         with GatheredParameters(list(model.parameters())):
             yield model
         return
-    scheduler.release_all()  # nothing may stay half-fetched by the hooks when they go
-    for handle in scheduler._handles:
-        handle.remove()
-    scheduler._handles = []
-    try:
-        with GatheredParameters(list(model.parameters())):
-            yield model
-    finally:
-        scheduler._install()  # the same hooks on the same modules; the next forward starts a fresh trace
+    with scheduler.hooks_removed(), GatheredParameters(list(model.parameters())):
+        yield model
