@@ -229,8 +229,9 @@ def report(results: dict, labels: list[tuple[str, str]], args: argparse.Namespac
                     for n in ("save_s", "load_s", "z2f_s")))
                 lines.append(f"| {row} | {fw} | {fmt_spread(cols[0], 2)} | {fmt_spread(cols[1], 2)} | "
                              f"{fmt_spread([b / 2**20 for b in cols[2]], 1)} | {fmt_spread(cols[3], 2)} | {ratios} |")
-        lines += ["", "Saves: ours fsyncs every file and renames it into place (nothing half-written survives a crash); "
-                  "real DeepSpeed's torch checkpoint engine writes in place without fsync (docs/checkpoint-speed.md)."]
+        lines += ["", "Saves: ours fsyncs every file and renames it into place (nothing half-written survives a "
+                  "crash); real DeepSpeed's torch checkpoint engine writes in place without fsync "
+                  "(docs/checkpoint-speed.md)."]
     stage_ratio = []
     for model in args.models:
         base = collect(results, (f"{model}/stage0", "ours"), "step")
