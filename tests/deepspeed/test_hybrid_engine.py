@@ -107,3 +107,31 @@ def test_client_removes_and_restores_zero3_hooks_around_generation():
         assert out["tokens"] == want and out["loss"] > 0 and out["externals"] == []
         assert out["released"] == ["NOT_AVAILABLE"]
         assert "pass parameter_offload.module" in out["wrong"]
+
+
+def _freeze_after_init_body(quantize_frozen: bool) -> dict:
+    """DeepSpeed-Chat freezes weights after the engine is built, then asks ZeRO++ to store them int8."""
+    import deepspeed
+    from ds_zero.zeropp.frozen import is_stored_quantized
+
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "zero_quantized_nontrainable_weights": quantize_frozen},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    frozen = engine.module.transformer.wte.weight
+    frozen.requires_grad_(False)
+    converted = engine.optimizer.quantize_nontrainable_params()
+    ids = torch.tensor(PROMPT)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return {"converted": converted, "stored_int8": is_stored_quantized(frozen), "loss": float(loss)}
+
+
+def test_quantize_nontrainable_params_after_freezing():
+    on = run_distributed(_freeze_after_init_body, world_size=2, args=(True,), timeout=120)[0]
+    assert on["converted"] == 1 and on["stored_int8"] and on["loss"] > 0
+    off = run_distributed(_freeze_after_init_body, world_size=2, args=(False,), timeout=120)[0]
+    assert off["converted"] == 0 and not off["stored_int8"]

@@ -252,6 +252,10 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         scheduler.ends_with_backward = True
         register(self, [p for g in self.groups for p in g.params])
 
+    def quantize_nontrainable_params(self) -> int:
+        """DeepSpeed's call after freezing parameters (ZeRO++ ``zero_quantized_nontrainable_weights``)."""
+        return self.parameter_offload.quantize_nontrainable_params()
+
     def _build_groups(self, names: dict[torch.nn.Parameter, str]) -> list[Z3Group]:
         """One :class:`Z3Group` per sub-group: each optimizer parameter group is cut into runs of about
         ``sub_group_size`` partition elements (DeepSpeed's sub-groups), each with its own flat master, so the

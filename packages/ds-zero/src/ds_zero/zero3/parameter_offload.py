@@ -68,5 +68,16 @@ class DeepSpeedZeRoOffload:
 
     _register_hooks_recursively = _register_deepspeed_module  # DeepSpeed < 0.16.4's name
 
+    def quantize_nontrainable_params(self) -> int:
+        """With ``zero_quantized_nontrainable_weights``: store int8 the partitions of parameters frozen since the
+        engine was built (DeepSpeed-Chat freezes them after LoRA conversion); returns how many were converted.
+        Without the option, nothing to do (as in DeepSpeed)."""
+        block = getattr(self._scheduler, "quantize_frozen_block", None)
+        if block is None:
+            return 0
+        from ds_zero.zeropp.frozen import quantize_nontrainable
+
+        return quantize_nontrainable(self._scheduler.root.parameters(), block)
+
     def empty_partition_cache(self) -> None:
         self._scheduler.release_all(include_persistent=True)

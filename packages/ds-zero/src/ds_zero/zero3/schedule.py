@@ -212,6 +212,7 @@ class ParamScheduler:
         self._params_cache: list[torch.nn.Parameter] | None = None  # unit id -> trace position of its last fetch
         self._handles: list[Any] = []
         self.on_remove: list[Callable[[], None]] = []  # run by remove() (engine destroy): ZeRO-Infinity cleanup
+        self.quantize_frozen_block: int | None = None  # elements per int8 scale, with quantized frozen weights
         self._name_params()
         self._mark_persistent()
         self._install()

@@ -115,6 +115,7 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
         quantize_nontrainable(module.parameters(), zpp.block)
     scheduler = ParamScheduler(module, _schedule_settings(zero), _leaf_rule(zero))
     scheduler.partition_parent = dp_group  # build_zero3_stage reduces over the same group (MiCS: its sub-groups)
+    scheduler.quantize_frozen_block = zpp.block if zpp.zero_quantized_nontrainable_weights else None
     install_state_dict_hooks(module)
     return scheduler
 
