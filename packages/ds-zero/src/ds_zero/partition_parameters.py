@@ -7,6 +7,7 @@ from typing import Any
 from ds_zero.zero3.init import (
     GatheredParameters,
     Init,
+    _contradicting_single_rank_pg_error,
     _orig_torch_arange,
     register_external_parameter,
     unregister_external_parameter,
@@ -55,6 +56,7 @@ __all__ = [
     "partitioned_param_data_shape",
     "Init",
     "ZeroParamStatus",
+    "_contradicting_single_rank_pg_error",
     "_orig_torch_arange",
     "register_external_parameter",
     "unregister_external_parameter",

@@ -140,6 +140,29 @@ def _nvme_swapper(cfg: dict[str, Any]) -> Any:
     return ParamSwapper(param_swap_settings({**section, "device": "nvme"}, cfg.get("aio")), global_rank())
 
 
+def _contradicting_single_rank_pg_error(dp_world_size: int, explicit_process_group: Any,
+                                       env: Any = None) -> str | None:
+    """The message for a world of one rank where the launcher started several (``WORLD_SIZE`` > 1), else None.
+
+    A size-1 process group set up before ``zero.Init`` (a library initialising torch.distributed by itself) would
+    make every rank hold the whole model instead of its partition, which looks exactly like running out of memory.
+    A group the caller passed explicitly is taken as meant (DeepSpeed's check, #8084)."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE", "0") or "0")
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init found a process group of world_size=1, but the launcher set WORLD_SIZE={launched}: a "
+            "single-rank group was initialised before zero.Init (for example by from_pretrained before "
+            "deepspeed.init_distributed()), so nothing would be partitioned and every rank would hold the whole model. "
+            "Call deepspeed.init_distributed() before building the model under zero.Init, or pass "
+            "data_parallel_group= if a single-rank group is what you want")
+
+
 class Init:
     """Partition the parameters of every module built inside the context (or of ``module``, at once).
 
@@ -171,6 +194,9 @@ class Init:
         compute = _compute_device()
         where = _remote_device(cfg, remote_device)
         self.space = PartitionSpace.of(group, torch.device("cpu") if where in ("cpu", "nvme") else compute, compute)
+        contradiction = _contradicting_single_rank_pg_error(self.space.world, group)
+        if contradiction is not None:
+            raise RuntimeError(contradiction)
         self.param_swapper = param_swapper if param_swapper is not None or where != "nvme" else _nvme_swapper(cfg)
         if zero_quantized_weights or zero_quantized_nontrainable_weights:  # ZeRO++ qwZ: int8 gathers
             from ds_zero.zeropp.options import ZeroPPOptions, zeropp_space
