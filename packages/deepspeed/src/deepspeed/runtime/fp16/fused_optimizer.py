@@ -19,6 +19,7 @@ class FP16_Optimizer(LegacyMixedPrecision):  # noqa: N801 - DeepSpeed's name
     profile (initial scale ``initial_dynamic_scale``, 2**32)."""
 
     profile = LossScaleProfile.FUSED
+    masters_key = "fp32_groups_flat"
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, deepspeed: Any = None,
                  loss_scale_config: LossScaleConfig | None = None, low_precision_dtype: torch.dtype = torch.float16,

@@ -116,17 +116,80 @@ class LegacyMixedPrecision(MixedPrecisionOptimizer, DeepSpeedOptimizer):
                 self.on_grad(p)
         return super()._hp_grads()
 
-    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
-        if load_optimizer_states:
-            super().load_state_dict(state_dict)
-            return
-        saved = state_dict.get("fp32_master_weights")  # weights only: keep this optimizer's moments
-        if saved is not None:
-            with torch.no_grad():
-                for p, weights in zip(self.model_params, saved, strict=True):
-                    self.master_of[p].data.copy_(weights)
+    masters_key: str | None = None
+    """Where DeepSpeed's class keeps the fp32 masters in its state dict (``fp32_groups``: per group, per
+    parameter; ``fp32_groups_flat``: one flat tensor per group); None: this project's own layout."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """DeepSpeed's layout when the class has one (so real DeepSpeed loads it, and we load DeepSpeed's): the
+        loss-scale state, the wrapped optimizer's state dict, the fp32 masters under ``masters_key``; plus this
+        project's ``fp32_master_weights`` (model order, read by the pipeline's and the universal checkpoint's
+        re-sharding), which share the masters' storage, so nothing is written twice."""
+        state = super().state_dict()
+        if self.masters_key is None:
+            return state
+        scaler = self.loss_scaler
+        dynamic = bool(getattr(scaler, "dynamic", False))
+        state.update(dynamic_loss_scale=dynamic, cur_scale=float(scaler.cur_scale) if scaler is not None else 1.0,
+                     cur_iter=int(getattr(scaler, "cur_iter", 0)))
+        if dynamic:
+            state.update(last_overflow_iter=scaler.last_overflow_iter, scale_factor=scaler.scale_factor,
+                         scale_window=scaler.scale_window)
+        if self.masters_key == "fp32_groups_flat":
+            flats = self.fp32_groups_flat
+            views = {id(m): piece.view(m.shape)
+                     for flat, group in zip(flats, self.fp32_groups, strict=True)
+                     for piece, m in zip(torch.split(flat, [m.numel() for m in group]) if group else [], group,
+                                         strict=True)}
+            state["fp32_groups_flat"] = flats
+            state["fp32_master_weights"] = [views[id(self.master_of[p])] for p in self.model_params]
         else:
+            state["fp32_groups"] = self.fp32_groups
+        return state
+
+    def _saved_masters(self, state_dict: dict[str, Any]) -> list[torch.Tensor] | None:
+        """The saved fp32 masters in ``model_params`` order, from either layout, or None."""
+        if "fp32_master_weights" in state_dict:
+            return list(state_dict["fp32_master_weights"])
+        groups = [list(g["params"]) for g in self.optimizer.param_groups]
+        if "fp32_groups" in state_dict:
+            saved = [list(g) for g in state_dict["fp32_groups"]]
+        elif "fp32_groups_flat" in state_dict:
+            saved = [list(torch.split(flat.reshape(-1), [m.numel() for m in group])) if group else []
+                     for flat, group in zip(state_dict["fp32_groups_flat"], groups, strict=True)]
+        else:
+            return None
+        shapes = [[tuple(m.shape) for m in g] for g in groups]
+        pairs = [(t, m) for sg, g in zip(saved, groups, strict=False) for t, m in zip(sg, g, strict=False)]
+        if [len(g) for g in saved] != [len(g) for g in groups] or any(t.numel() != m.numel() for t, m in pairs):
+            raise ValueError(f"optimizer state: the saved fp32 master weights ({[len(g) for g in saved]} per group) "
+                             f"do not fit this model's trainable parameters ({shapes})")
+        by_master = {id(m): t for t, m in pairs}
+        return [by_master[id(self.master_of[p])].reshape(self.master_of[p].shape) for p in self.model_params]
+
+    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        """Either layout: DeepSpeed's (``cur_scale``, ``fp32_groups`` / ``fp32_groups_flat``) or this project's
+        earlier one (``fp32_master_weights``, ``loss_scaler``). Without ``load_optimizer_states`` only the fp32
+        masters are taken (this optimizer's moments stay)."""
+        masters = self._saved_masters(state_dict)
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+            scaler = self.loss_scaler
+            if scaler is not None and "loss_scaler" in state_dict:
+                scaler.load_state_dict(state_dict["loss_scaler"])
+            elif scaler is not None and "cur_scale" in state_dict:  # written by DeepSpeed
+                scaler.cur_scale = float(state_dict["cur_scale"])
+                for key in ("cur_iter", "last_overflow_iter"):
+                    if key in state_dict and hasattr(scaler, key):
+                        setattr(scaler, key, int(state_dict[key]))
+        if masters is None:
             self.sync_master_from_model()
+            return
+        with torch.no_grad():
+            for p, weights in zip(self.model_params, masters, strict=True):
+                self.master_of[p].data.copy_(weights)
+                if load_optimizer_states:
+                    p.data.copy_(weights)
 
     def refresh_fp32_params(self) -> None:
         """Copy the (possibly edited) low-precision weights into the fp32 masters."""

@@ -18,6 +18,7 @@ class FP16_UnfusedOptimizer(LegacyMixedPrecision):  # noqa: N801 - DeepSpeed's n
     """fp16 (or bf16) parameters, fp32 masters; dynamic-scale defaults of the unfused profile (2**16)."""
 
     profile = LossScaleProfile.UNFUSED
+    masters_key = "fp32_groups"
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, deepspeed: Any = None,
                  loss_scale_config: LossScaleConfig | None = None, low_precision_dtype: torch.dtype = torch.float16,
