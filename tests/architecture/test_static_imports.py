@@ -13,33 +13,17 @@ import ast
 from pathlib import Path
 
 import pytest
+from architecture._module_graph import runtime_nodes
 from architecture._workspace import by_name, distributions, our_import_names
 from architecture.test_dependency_graph import RULES
 
 NAMES = [d.name for d in distributions()]
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` (its ``else`` branch does run)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-
-
 def imported_top_levels(source: str) -> set[str]:
     """Top-level package names a module's source imports at run time, wherever the import statement is."""
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(source)):
+    for node in runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name.partition(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

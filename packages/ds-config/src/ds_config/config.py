@@ -341,8 +341,11 @@ def _drop_dotted_keys(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, A
     """Top-level keys such as ``"zero_optimization.reduce_bucket_size"`` (TRL's ``prepare_deepspeed`` writes
     them): DeepSpeed reads nested sections only and ignores these, so they are dropped with a warning saying
     so. A dotted key whose first part is no section stays, and is reported as unknown (a typo)."""
+    candidates = [k for k in data if isinstance(k, str) and "." in k]
+    if not candidates:
+        return data
     sections = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-    dotted = [k for k in data if isinstance(k, str) and "." in k and k.partition(".")[0] in sections]
+    dotted = [k for k in candidates if k.partition(".")[0] in sections]
     for key in dotted:
         section, _, rest = key.partition(".")
         warnings.warn(f"config key '{key}' has no effect: DeepSpeed reads nested sections only and ignores a dotted "

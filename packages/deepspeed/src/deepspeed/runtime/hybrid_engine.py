@@ -29,7 +29,6 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
     def __init__(self, model: torch.nn.Module, config: Any, **kwargs: Any) -> None:
         super().__init__(model, config, **kwargs)
         self._generate_latency = 0.0
-        self._total_batch_size: int | None = None
         self._generate = getattr(self.module, "generate", None)
         if self._generate is not None:
             self.module.generate = self.generate  # DeepSpeed-Chat calls engine.module.generate
@@ -39,10 +38,6 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         if self._generate is None:
             raise AttributeError(f"{type(self.module).__name__} has no generate(); the hybrid engine generates "
                                  "through the wrapped module's own generate (e.g. a Hugging Face model)")
-        if self._total_batch_size is None:
-            first = inputs[0] if inputs else kwargs.get("input_ids")
-            if isinstance(first, torch.Tensor):
-                self._total_batch_size = first.shape[0] * self.dp_world_size
         start = time.perf_counter()
         if self.zero3_scheduler is None:
             out = self._generate(*inputs, **kwargs)

@@ -9,6 +9,7 @@ rank's writes succeeded.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -78,10 +79,8 @@ def remove_stale_temps(path: str | os.PathLike) -> None:
         return
     for entry in entries:
         if entry.startswith(prefix):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(head, entry))
-            except FileNotFoundError:
-                pass
 
 
 def _open_for_write(path: str) -> BinaryIO:
@@ -91,10 +90,8 @@ def _open_for_write(path: str) -> BinaryIO:
 
 def discard(tmp: str) -> None:
     """Remove a temporary written by :func:`stage_write` (gone already: nothing to do)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
-    except FileNotFoundError:
-        pass
 
 
 class _EarlyWriteback:
