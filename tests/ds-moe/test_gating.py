@@ -244,8 +244,10 @@ def _gate(**kw):
 
 
 def test_gate_bad_k_and_policy_are_value_errors():
-    with pytest.raises(ValueError, match="k=3"):
-        TopKGate(6, 4, k=3)
+    with pytest.raises(ValueError, match="k=5"):
+        TopKGate(6, 4, k=5)
+    with pytest.raises(ValueError, match="k=0"):
+        TopKGate(6, 4, k=0)
     with pytest.raises(ValueError, match=r"'Gaussian'.*'Jitter', 'RSample'"):
         TopKGate(6, 4, noisy_gate_policy="Gaussian")
 

@@ -66,7 +66,7 @@ def test_moe_attributes_names_and_state_dict_keys():
 
 @pytest.mark.parametrize(("kwargs", "words"), [
     (dict(num_experts=6, ep_size=4), ["(6)", "ep_size=4"]),
-    (dict(num_experts=4, k=3), ["k=3"]),
+    (dict(num_experts=4, k=5), ["k=5", "num_experts (4)"]),
     (dict(num_experts=4, noisy_gate_policy="jitter"), ["'jitter'", "'Jitter'", "'RSample'", "None"]),
     (dict(num_experts=0), ["num_experts", "0"]),
 ])

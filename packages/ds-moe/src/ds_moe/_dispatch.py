@@ -60,6 +60,42 @@ def combine_indexed(expert_output: Tensor, routing: Routing) -> Tensor:
     return out
 
 
+# ---- DeepSpeed's route format: (expert or -1, location, gate) per route, each [k, S] -------------------------
+def sparse_routes(routing: Routing) -> tuple[Tensor, Tensor, Tensor]:
+    """The routing as DeepSpeed's gates return it with ``sparse_routes=True``: int32 expert ids with -1 for a
+    route the capacity dropped, int32 locations (0 where dropped) and the fp32 gate weights (0 where dropped)."""
+    experts = torch.where(routing.kept, routing.experts, torch.full_like(routing.experts, -1))
+    return experts.to(torch.int32), (routing.locations * routing.kept).to(torch.int32), routing.weights
+
+
+def route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """``[k, S]`` flat slot of each route in the ``[E * C]`` buffer; a dropped route (expert ``< 0``) gets the
+    extra slot ``E * C`` past the end, which :func:`sparse_encode` and :func:`sparse_decode` treat as empty."""
+    slot = indices.long() * capacity + locations.long()
+    return torch.where(indices >= 0, slot, torch.full_like(slot, num_experts * capacity))
+
+
+def sparse_encode(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """``[S, M]`` tokens -> ``[E, C, M]`` buffers from :func:`route_slots`: every slot reads the token routed to
+    it (slots no route fills read zeros). One gather over the buffer: kept routes never share a slot."""
+    num_tokens, d_model = tokens.shape
+    rows = num_experts * capacity
+    token_of_slot = torch.full((rows + 1, ), num_tokens, dtype=torch.long, device=tokens.device)
+    route_tokens = torch.arange(num_tokens, device=tokens.device).expand_as(slots)
+    token_of_slot.scatter_(0, slots.reshape(-1), route_tokens.reshape(-1))
+    with_zero_row = torch.cat([tokens, tokens.new_zeros(1, d_model)])
+    return with_zero_row.index_select(0, token_of_slot[:rows]).view(num_experts, capacity, d_model)
+
+
+def sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """``[E * C, M]`` expert outputs -> ``[S, M]``: each token's routes weighted by their gates and summed. The
+    product and the sum run in the gates' fp32 (as DeepSpeed's dense einsum accumulated), then cast back."""
+    d_model = expert_output.shape[-1]
+    with_zero_row = torch.cat([expert_output, expert_output.new_zeros(1, d_model)])
+    routed = with_zero_row.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, d_model)
+    return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
+
+
 def dispatch(tokens: Tensor, routing: Routing, mode: str) -> tuple[Tensor, Tensor | None]:
     """Buffers for ``routing`` with ``mode``; also the dense combine weights when ``mode`` is einsum."""
     if mode == "einsum":

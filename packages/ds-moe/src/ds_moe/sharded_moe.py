@@ -19,7 +19,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds_moe._alltoall import _AllToAll
-from ds_moe._dispatch import DISPATCH_MODES, check_dispatch_mode, combine, combine_einsum, dispatch, dispatch_einsum
+from ds_moe._dispatch import (
+    DISPATCH_MODES,
+    check_dispatch_mode,
+    combine,
+    combine_einsum,
+    dispatch,
+    dispatch_einsum,
+    route_slots,
+    sparse_decode,
+    sparse_encode,
+    sparse_routes,
+)
 from ds_moe._gating import top1_routing, top2_routing, topk_routing
 from ds_moe._noise import check_noisy_gate_policy, gumbel_rsample, multiplicative_jitter
 from ds_moe._routing import Routing, capacity, dense_combine_weights
@@ -29,16 +40,31 @@ logger = logging.getLogger(__name__)
 TUTEL_INSTALLED = importlib.util.find_spec("tutel") is not None
 DEFAULT_DISPATCH_MODE = "indexed"
 GateOutput = tuple[Tensor, Tensor, Tensor, Tensor]  # l_aux, combine_weights [S,E,C], dispatch_mask, exp_counts
+# with sparse_routes=True: l_aux, capacity, num_experts, experts [k,S] (-1: dropped), locations [k,S], gates [k,S],
+# exp_counts (DeepSpeed's sparse dispatch format)
+SparseGateOutput = tuple[Tensor, Tensor, int, Tensor, Tensor, Tensor, Tensor]
 
 __all__ = [
     "DEFAULT_DISPATCH_MODE", "DISPATCH_MODES", "MOELayer", "TUTEL_INSTALLED", "TopKGate", "_AllToAll",
     "gumbel_rsample", "multiplicative_jitter", "top1gating", "top2gating", "topkgating",
 ]
+# DeepSpeed's names for the sparse dispatch helpers (its MOELayer and tests call them)
+_route_slots, _sparse_encode, _sparse_decode = route_slots, sparse_encode, sparse_decode
 
 
 def _dense(routing: Routing) -> GateOutput:
     combine_weights, dispatch_mask = dense_combine_weights(routing)
     return routing.l_aux, combine_weights, dispatch_mask, routing.exp_counts
+
+
+def _sparse(routing: Routing) -> SparseGateOutput:
+    experts, locations, gates = sparse_routes(routing)
+    cap = torch.tensor(routing.capacity, dtype=torch.int64, device=experts.device)
+    return routing.l_aux, cap, routing.num_experts, experts, locations, gates, routing.exp_counts
+
+
+def _output(routing: Routing, sparse: bool) -> GateOutput | SparseGateOutput:
+    return _sparse(routing) if sparse else _dense(routing)
 
 
 def _capacity(gates: Tensor, capacity_factor: Tensor, min_capacity: Tensor) -> Tensor:
@@ -49,23 +75,30 @@ def _capacity(gates: Tensor, capacity_factor: Tensor, min_capacity: Tensor) -> T
 
 def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor | None = None,
                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group: dist.ProcessGroup | None = None, use_tutel: bool = False) -> GateOutput:
-    """Top-1 gating on ``logits`` ``[S, E]`` -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    return _dense(top1_routing(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy,
-                               drop_tokens, use_rts, ep_group))
+               ep_group: dist.ProcessGroup | None = None, sparse_routes: bool = False,
+               use_tutel: bool = False) -> GateOutput | SparseGateOutput:
+    """Top-1 gating on ``logits`` ``[S, E]`` -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or the
+    sparse routes with ``sparse_routes=True`` (see ``SparseGateOutput``)."""
+    return _output(top1_routing(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy,
+                                drop_tokens, use_rts, ep_group), sparse_routes)
 
 
 def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: dist.ProcessGroup | None = None, top2_2nd_expert_sampling: bool = True) -> GateOutput:
-    """Top-2 gating on ``logits`` ``[S, E]`` -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    return _dense(top2_routing(logits, capacity_factor, min_capacity, drop_tokens, ep_group,
-                               top2_2nd_expert_sampling))
+               ep_group: dist.ProcessGroup | None = None, top2_2nd_expert_sampling: bool = True,
+               sparse_routes: bool = False) -> GateOutput | SparseGateOutput:
+    """Top-2 gating on ``logits`` ``[S, E]`` -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or the
+    sparse routes with ``sparse_routes=True``."""
+    return _output(top2_routing(logits, capacity_factor, min_capacity, drop_tokens, ep_group,
+                                top2_2nd_expert_sampling), sparse_routes)
 
 
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: dist.ProcessGroup | None = None, drop_policy: str = "probs") -> GateOutput:
-    """Top-k gating on ``logits`` ``[S, E]`` -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    return _dense(topk_routing(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy))
+               ep_group: dist.ProcessGroup | None = None, drop_policy: str = "probs",
+               sparse_routes: bool = False) -> GateOutput | SparseGateOutput:
+    """Top-k gating on ``logits`` ``[S, E]`` -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or the
+    sparse routes with ``sparse_routes=True``."""
+    return _output(topk_routing(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy),
+                   sparse_routes)
 
 
 def _clock(reference: Tensor) -> float:
@@ -76,7 +109,8 @@ def _clock(reference: Tensor) -> float:
 
 
 class TopKGate(nn.Module):
-    """The router: ``wg`` (``Linear(model_dim, num_experts, bias=False)``) then top-1 or top-2 gating in fp32.
+    """The router: ``wg`` (``Linear(model_dim, num_experts, bias=False)``) then top-k gating in fp32 (top-1,
+    top-2, or for ``k > 2`` :func:`topkgating` with its ``"probs"`` drop policy, as DeepSpeed's gate picks).
 
     Training uses ``capacity_factor`` and the noisy policy; eval uses ``eval_capacity_factor`` and no noise
     (``Jitter`` multiplies the input by U(0.99, 1.01); ``RSample`` adds Gumbel noise to top-1's logits).
@@ -89,8 +123,8 @@ class TopKGate(nn.Module):
                  drop_tokens: bool = True, use_rts: bool = True, ep_group: dist.ProcessGroup | None = None,
                  top2_2nd_expert_sampling: bool = True) -> None:
         super().__init__()
-        if isinstance(k, bool) or k not in (1, 2):
-            raise ValueError(f"TopKGate supports top-1 and top-2 gating only: k must be 1 or 2, got k={k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+            raise ValueError(f"TopKGate: k must be an int from 1 to num_experts ({num_experts}), got k={k!r}")
         check_noisy_gate_policy(noisy_gate_policy)
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
         self.ep_group = ep_group
@@ -122,17 +156,20 @@ class TopKGate(nn.Module):
             routing = top1_routing(logits, factor, self.min_capacity, used_token,
                                    self.noisy_gate_policy if self.training else None, self.drop_tokens,
                                    self.use_rts, self.ep_group)
-        else:
+        elif self.k == 2:
             routing = top2_routing(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
                                    self.top2_2nd_expert_sampling)
+        else:
+            routing = topk_routing(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group)
         if self.wall_clock_breakdown:
             self.gate_time = (_clock(input) - start) * 1000.0
         return routing
 
-    def forward(self, input: Tensor, used_token: Tensor | None = None,  # noqa: A002
-                use_tutel: bool = False) -> GateOutput:
-        """DeepSpeed's gate output ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` (dense)."""
-        return _dense(self.route(input, used_token))
+    def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False,  # noqa: A002
+                use_tutel: bool = False) -> GateOutput | SparseGateOutput:
+        """DeepSpeed's gate output: dense ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or with
+        ``sparse_routes=True`` the routes (``SparseGateOutput``) its ``MOELayer`` dispatches from."""
+        return _output(self.route(input, used_token), sparse_routes)
 
 
 class MOELayer(nn.Module):
