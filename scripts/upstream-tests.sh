@@ -71,9 +71,20 @@ export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" LOCAL_SIZE="${LOCAL_SIZE:-4}"
 export DS_UNITTEST_TIMEOUT="${DS_UNITTEST_TIMEOUT:-300}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 extras="$root/.venvs/upstream-test-extras-$("$python" -c 'import sys, hashlib; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:8])')"
-if ! PYTHONPATH="$extras" "$python" -c "import cpuinfo, hjson, mup" >/dev/null 2>&1; then
+# DeepSpeed pins pytest<8.4 (requirements-dev.txt): under pytest 8.4+ its DistributedFixture fixtures are not
+# found (checkpoint/test_universal_checkpoint.py errors on every test). The extras folder holds that pytest too;
+# being on PYTHONPATH it shadows the environment's own pytest for these runs only. --no-deps: its dependencies
+# (pluggy, iniconfig, packaging) are the environment's, already new enough for any pytest 8.
+pytest_spec="pytest>=8.3,<8.4"
+extras_ok="import cpuinfo, hjson, mup, pytest; assert pytest.version_tuple[:2] == (8, 3), pytest.__file__"
+if ! PYTHONPATH="$extras" "$python" -c "$extras_ok" >/dev/null 2>&1; then
   "$python" -m pip install -q --disable-pip-version-check --target "$extras" py-cpuinfo hjson >&2
   "$python" -m pip install -q --disable-pip-version-check --no-deps --target "$extras" mup >&2  # torch-only use
+  "$python" -m pip install -q --disable-pip-version-check --no-deps --upgrade --target "$extras" "$pytest_spec" >&2
+  PYTHONPATH="$extras" "$python" -c "$extras_ok" || {
+    echo "upstream-tests: $extras does not give $python the pytest DeepSpeed's tests expect ($pytest_spec)" >&2
+    exit 2
+  }
 fi
 export PYTHONPATH="$root/scripts:$extras${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -92,6 +103,7 @@ esac
   echo "deepspeed under test: $imported ($("$python" -c 'import deepspeed; print(deepspeed.__version__)'))"
   echo "DeepSpeed tests: $checkout ($(git -C "$checkout" describe --tags --always 2>/dev/null || echo unknown))"
   echo "python: $python; torch $("$python" -c 'import torch; print(torch.__version__)'); $(nproc) cores; $(date -u +%F)"
+  echo "pytest: $("$python" -m pytest --version 2>&1 | head -1) ($("$python" -c 'import pytest; print(pytest.__file__)'))"
   echo "env: DS_ACCELERATOR=$DS_ACCELERATOR LOCAL_SIZE=$LOCAL_SIZE DS_UNITTEST_TIMEOUT=$DS_UNITTEST_TIMEOUT; per-file limit ${per_file}s"
 } | tee "$out/run-info.txt"
 

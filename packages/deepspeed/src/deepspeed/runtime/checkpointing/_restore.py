@@ -127,6 +127,24 @@ def _restore_training_state(state: EngineState, checkpoint: dict[str, Any], opts
     counters.skipped_steps = int(checkpoint["skipped_steps"])
     if "micro_steps" in checkpoint:  # files written by DeepSpeed itself lack it; DeepSpeed leaves the counter
         counters.micro_steps = int(checkpoint["micro_steps"])
+    if hasattr(counters, "sparse_tensor_module_names"):
+        _restore_sparse_names(state, checkpoint, opts.strict)
+
+
+def _restore_sparse_names(state: EngineState, checkpoint: dict[str, Any], strict: bool) -> None:
+    """DeepSpeed's rule: a strict load takes the saved set; a non-strict one keeps this model's sparse weights
+    unless the checkpoint holds that weight as dense, and adds the saved sparse names this model has."""
+    saved = checkpoint.get("sparse_tensor_module_names", checkpoint.get("csr_tensor_module_names"))
+    if saved is None:
+        return
+    counters = state.counters
+    if strict:
+        counters.sparse_tensor_module_names = set(saved)
+        return
+    saved_weights = checkpoint.get("module") or {}
+    own = dict(state.module.named_parameters())
+    kept = {name for name in counters.sparse_tensor_module_names if name not in saved_weights or name in saved}
+    counters.sparse_tensor_module_names = kept | {name for name in saved if name in own}
 
 
 def _shard_step(shard: Any, ctx: ShardContext, load: Callable[[str], Any]) -> Callable[[], None]:

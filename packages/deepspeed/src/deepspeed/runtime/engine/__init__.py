@@ -29,6 +29,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import _module, _moe, _optimizer, _setup, _stages
 from deepspeed.runtime.engine._accessors import ConfigAccessors
+from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
 from deepspeed.runtime.engine._timers import (
@@ -50,7 +51,8 @@ from deepspeed.utils import log_dist
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, DataMethods, torch.nn.Module):
+class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, DataMethods, CheckpointNameMethods,
+                      torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -70,6 +72,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._window_start = 0  # micro_steps where the current accumulation windows began (set_train_batch_size)
         _setup.place(self, mpu, dp_group)
         self.module = _module.prepare_module(model, config, self.device)
+        self.sparse_tensor_module_names = _module.sparse_tensor_names(self.module, config.sparse_gradients)
         _setup.cast_buffers(self.module, config)
         self.compression_scheduler = build_compression_scheduler(self, config)  # compression_training
         _setup.distribute_module(self, config, mpu)  # MoE groups; ZeRO-3 partitions or a broadcast

@@ -22,6 +22,9 @@ class ConfigAccessors:
 
     _require_step_boundary: Callable[[str], None]  # the engine's: batch geometry changes between steps only
 
+    def sparse_gradients_enabled(self) -> bool:
+        return bool(self._config.sparse_gradients)
+
     # ---- batch ----
     def train_batch_size(self) -> int:
         return self._config.train_batch_size

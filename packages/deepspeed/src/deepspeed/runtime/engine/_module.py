@@ -27,6 +27,15 @@ def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -
     return module
 
 
+def sparse_tensor_names(module: torch.nn.Module, sparse_gradients: bool) -> set[str]:
+    """DeepSpeed's ``engine.sparse_tensor_module_names``: with ``sparse_gradients``, the ``<name>.weight`` of every
+    ``nn.Embedding``/``nn.EmbeddingBag`` (whose gradients DeepSpeed exchanges sparse); saved in checkpoints."""
+    if not sparse_gradients:
+        return set()
+    return {f"{name}.weight" for name, sub in module.named_modules()
+            if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
+
 def broadcast_module(module: torch.nn.Module, dp_group: Any, params: list[torch.nn.Parameter] | None = None) -> None:
     """Give every data-parallel rank rank 0's parameters (``params``, default all) and buffers (ranks may have
     initialised differently)."""

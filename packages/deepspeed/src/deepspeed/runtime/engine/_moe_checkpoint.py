@@ -105,7 +105,8 @@ class MoECheckpointShards:
                                   "onto the same ep_size only; pass load_optimizer_states=False to load the weights, "
                                   "schedule and counters")
         rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
-        name = f"expp_rank_{rank}_mp_rank_{ctx.parallel.mp_rank:02d}_optim_states.pt"
+        # named through the engine's method, as DeepSpeed does (clients and DeepSpeed's tests patch it)
+        name = os.path.basename(self.engine._get_optimizer_ckpt_name(*os.path.split(ctx.tag_dir), rank))
         state = load(name)
         if not isinstance(state, dict) or "optimizer" not in state:
             raise content_error(os.path.join(ctx.tag_dir, name), "missing key 'optimizer': not an expert-parallel "

@@ -124,6 +124,12 @@ class PipelineEngine(DeepSpeedEngine):
             self.training_dataloader = None
             self.data_iterator = iterator
 
+    def set_dataloader(self, loader: Any) -> None:
+        """Read micro-batches from ``loader`` (one pass: ``iter(loader)``) on the first and last stages."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
     def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
         """Apply ``fn`` to every batch read from the data iterator before it is used."""
         self.batch_fn = fn

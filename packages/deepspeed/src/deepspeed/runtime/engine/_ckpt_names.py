@@ -1,0 +1,50 @@
+"""DeepSpeed's engine methods that name a checkpoint's files (``engine._get_ckpt_name(path, tag)``, ...): clients
+and DeepSpeed's own tests call or patch them. The file layout itself is ``runtime.checkpointing.layout``'s."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from deepspeed.runtime.checkpointing.layout import model_states_name
+
+
+class CheckpointNameMethods:
+    """Mixin for ``DeepSpeedEngine``; requires ``mp_rank``, ``dp_group`` and ``zero_optimization_stage()``."""
+
+    mp_rank: int
+    dp_group: Any
+
+    def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
+                       pp_placeholder: str | None = None) -> str:
+        """This rank's model-states file: ``mp_rank_XX_model_states.pt``, under ZeRO-3 one per data-parallel rank
+        (``zero_pp_rank_<dp>_mp_rank_XX_model_states.pt``). The placeholders replace the ranks (glob patterns)."""
+        mp = mp_placeholder if mp_placeholder is not None else f"{self.mp_rank:02d}"
+        if self.zero_optimization_stage() == 3:  # type: ignore[attr-defined]
+            dp = pp_placeholder if pp_placeholder is not None else (
+                dist.get_rank(self.dp_group) if dist.is_initialized() else 0)
+            name = f"zero_pp_rank_{dp}_mp_rank_{mp}_model_states.pt"
+        else:
+            name = f"mp_rank_{mp}_model_states.pt" if mp_placeholder is not None else model_states_name(self.mp_rank)
+        return os.path.join(checkpoints_path, str(tag), name)
+
+    def _get_all_ckpt_names(self, checkpoints_path: str, tag: Any) -> list[str]:
+        """Every model-parallel rank's model-states file of ``tag`` present on disk, sorted."""
+        return sorted(glob.glob(self._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*")))
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int) -> str:
+        """The optimizer file of expert-parallel rank ``expp_rank`` (MoE without ZeRO)."""
+        name = f"expp_rank_{expp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+        return os.path.join(checkpoints_path, str(tag), name)
+
+    @staticmethod
+    def _get_expert_ckpt_name(checkpoints_path: str, layer_id: int, expert_id: int, tag: Any, mpu: Any = None,
+                              checkpoint_mp_rank: int | None = None) -> str:
+        """One expert's weights: ``layer_<l>_expert_<e>_mp_rank_XX_model_states.pt``."""
+        if checkpoint_mp_rank is None:
+            checkpoint_mp_rank = 0 if mpu is None else mpu.get_model_parallel_rank()
+        return os.path.join(checkpoints_path, str(tag),
+                            f"layer_{layer_id}_expert_{expert_id}_mp_rank_{checkpoint_mp_rank:02d}_model_states.pt")

@@ -1,0 +1,144 @@
+"""Checkpoint behaviours DeepSpeed's own unit tests (``tests/unit/checkpoint``) rely on, each checked here in a
+few seconds: the engine's ``sparse_tensor_module_names`` (saved, restored strictly, merged when not strict)."""
+
+from __future__ import annotations
+
+import torch
+from _harness import run_distributed
+
+
+class _Embedder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 3)
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.emb(x))
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _sparse_names_body(save_dir: str) -> dict:
+    import deepspeed
+
+    def engine(model: torch.nn.Module, sparse: bool):
+        config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "sparse_gradients": sparse}
+        return deepspeed.initialize(model=model, config=config)[0]
+
+    saved = engine(_Embedder(), True)
+    out = {"enabled": saved.sparse_gradients_enabled(), "saved": set(saved.sparse_tensor_module_names),
+           "dense": set(engine(_Embedder(), False).sparse_tensor_module_names)}
+    saved.save_checkpoint(save_dir, tag="t")
+    strict = engine(_Embedder(), False)
+    strict.load_checkpoint(save_dir, tag="t")
+    out["strict"] = set(strict.sparse_tensor_module_names)
+    loose = engine(_Embedder(), False)  # non-strict: the saved sparse weight exists here, so it stays sparse
+    loose.load_checkpoint(save_dir, tag="t", load_module_strict=False, load_optimizer_states=False)
+    out["loose"] = set(loose.sparse_tensor_module_names)
+    plain = engine(_Plain(), False)  # non-strict into a model without the embedding: nothing is sparse
+    plain.load_checkpoint(save_dir, tag="t", load_module_strict=False, load_optimizer_states=False)
+    out["plain"] = set(plain.sparse_tensor_module_names)
+    dense = engine(_Embedder(), False)
+    dense.save_checkpoint(save_dir, tag="d")
+    keeps = engine(_Embedder(), True)  # non-strict: the checkpoint holds emb.weight dense, so it turns dense
+    keeps.load_checkpoint(save_dir, tag="d", load_module_strict=False, load_optimizer_states=False)
+    out["from_dense"] = set(keeps.sparse_tensor_module_names)
+    file = torch.load(f"{save_dir}/t/mp_rank_00_model_states.pt", weights_only=False)
+    out["in_file"] = file["sparse_tensor_module_names"]
+    return out
+
+
+def test_sparse_tensor_module_names_saved_and_restored(tmp_path):
+    out = run_distributed(_sparse_names_body, world_size=1, args=(str(tmp_path),), timeout=120)[0]
+    assert out["enabled"] is True
+    assert out["saved"] == {"emb.weight"} and out["dense"] == set()
+    assert out["in_file"] == {"emb.weight"}
+    assert out["strict"] == {"emb.weight"}
+    assert out["loose"] == {"emb.weight"}
+    assert out["plain"] == set()
+    assert out["from_dense"] == set()
+
+
+class _MoENet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.moe = MoE(4, torch.nn.Linear(4, 4), num_experts=2, ep_size=1, k=1, min_capacity=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)[0].sum()
+
+
+def _optimizer_name_body(save_dir: str) -> dict:
+    """The MoE optimizer file is named through ``engine._get_optimizer_ckpt_name`` (DeepSpeed's tests patch it to
+    prove that ``load_optimizer_states=False`` never reaches for the file)."""
+    from unittest.mock import patch
+
+    import deepspeed
+
+    config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    saved = deepspeed.initialize(model=_MoENet(), config=config)[0]
+    saved.backward(saved(torch.randn(3, 4)))
+    saved.step()
+    saved.save_checkpoint(save_dir, tag="t")
+    out = {"name": saved._get_optimizer_ckpt_name(save_dir, "t", 0),
+           "ckpt_name": saved._get_ckpt_name(save_dir, "t"),
+           "all": saved._get_all_ckpt_names(save_dir, "t"),
+           "expert": saved._get_expert_ckpt_name(save_dir, 0, 1, "t")}
+    for load_optimizer in (False, True):
+        loaded = deepspeed.initialize(model=_MoENet(), config=config)[0]
+        with patch.object(loaded, "_get_optimizer_ckpt_name", wraps=loaded._get_optimizer_ckpt_name) as spy:
+            loaded.load_checkpoint(save_dir, tag="t", load_optimizer_states=load_optimizer)
+        out[f"calls_{load_optimizer}"] = [call.args for call in spy.call_args_list]
+    return out
+
+
+def test_moe_optimizer_file_named_by_the_engine_method(tmp_path):
+    out = run_distributed(_optimizer_name_body, world_size=1, args=(str(tmp_path),), timeout=120)[0]
+    tag_dir = tmp_path / "t"
+    assert out["name"] == str(tag_dir / "expp_rank_0_mp_rank_00_optim_states.pt")
+    assert (tag_dir / "expp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    assert out["ckpt_name"] == str(tag_dir / "mp_rank_00_model_states.pt")
+    assert out["all"] == [out["ckpt_name"]]
+    assert out["expert"] == str(tag_dir / "layer_0_expert_1_mp_rank_00_model_states.pt")
+    assert (tag_dir / "layer_0_expert_1_mp_rank_00_model_states.pt").is_file()
+    assert out["calls_False"] == []
+    assert out["calls_True"] == [(str(tmp_path), "t", 0)]
+
+
+def _set_dataloader_body() -> list:
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    data = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(4)]
+    losses = []
+    for use_loader in (True, False):
+        torch.manual_seed(1)
+        module = PipelineModule([torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)], num_stages=2,
+                                loss_fn=torch.nn.MSELoss())
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine = deepspeed.initialize(model=module, config=config)[0]
+        if use_loader:
+            engine.set_dataloader(data)
+            losses.append([float(engine.train_batch()) for _ in range(2)])
+        else:
+            it = iter(data)
+            losses.append([float(engine.train_batch(it)) for _ in range(2)])
+    return losses
+
+
+def test_pipeline_set_dataloader_feeds_train_batch():
+    for from_loader, from_iterator in run_distributed(_set_dataloader_body, world_size=2, timeout=120):
+        assert from_loader == from_iterator
