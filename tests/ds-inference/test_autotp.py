@@ -167,8 +167,9 @@ def test_layer_specs_and_hf_plan():
     assert specs[0].matches("model.layers.3.self_attn.q_proj.weight")
     assert not specs[0].matches("model.layers.3.self_attn.q_proj_extra.weight")
     assert specs[1].partition_type is PartitionType.ROW
-    with pytest.raises(ValueError, match="colwise_gather_output"):
-        hf_tp_plan_specs({"lm_head": "colwise_gather_output"})
+    assert hf_tp_plan_specs({"lm_head": "colwise_gather_output"})[0].gather_output
+    with pytest.raises(ValueError, match="local_colwise"):
+        hf_tp_plan_specs({"lm_head": "local_colwise"})
     with pytest.raises(ValueError, match="invalid AutoTP layer spec pattern"):
         TPLayerSpec(patterns=["("])
 

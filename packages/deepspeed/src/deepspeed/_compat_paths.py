@@ -70,6 +70,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.module_inject.auto_tp": "ds_inference.autotp",
     "deepspeed.module_inject.autotp_config": "ds_inference.autotp",
     "deepspeed.module_inject.replace_module": "ds_inference.autotp",
+    "deepspeed.module_inject.tp_plan_converter": "ds_inference.autotp.tp_plan_converter",
     # elastic training batch arithmetic (ds-config, issue 17)
     "deepspeed.elasticity.elasticity": "ds_config.elastic",
     "deepspeed.elasticity.config": "ds_config.elasticity",

@@ -34,6 +34,10 @@ class LayerSpec(DSConfigModel):
     """Dimension of ``shape`` along which the fused sub-parameters are split."""
     model_types: list[str] | None = None
     """Apply only to these ``model.config.model_type`` values."""
+    gather_output: Bool = False
+    """Column specs: all-gather the output shards so every rank gets the whole output."""
+    grad_allreduce: Bool = False
+    """Skip specs: the weight stays whole but sees sharded activations; its gradient is summed over the group."""
 
     @model_validator(mode="after")
     def _shape(self) -> LayerSpec:

@@ -164,7 +164,9 @@ def layer_specs(model: torch.nn.Module, section: Any) -> list[TPLayerSpec] | Non
     custom = section.partition_config
     if custom is not None:
         specs = [TPLayerSpec(patterns=list(s.patterns), partition_type=s.partition_type, shape=s.shape,
-                             partition_dim=s.partition_dim, model_types=s.model_types) for s in custom.layer_specs]
+                             partition_dim=s.partition_dim, model_types=s.model_types,
+                             gather_output=s.gather_output, grad_allreduce=s.grad_allreduce)
+                 for s in custom.layer_specs]
         if custom.use_default_specs and preset is not None:
             specs += preset.layer_specs
         return specs

@@ -181,7 +181,7 @@ def spec_placements(model: nn.Module, specs: Sequence[TPLayerSpec], model_type: 
         else:
             _check_spec_dim(spec, 0)
             placements[name] = Placement("column", tuple(spec.sub_sizes(out_f)), by_heads(name),
-                                         gather_output=is_head)
+                                         gather_output=is_head or spec.gather_output)
     return placements
 
 

@@ -74,7 +74,28 @@ def autotp_shard(model: nn.Module, tp_group: dist.ProcessGroup | None, *,
         _scale_head_attributes(modules[parent], meta, dist.get_rank(group=tp_group))
     if shard_embeddings if shard_embeddings is not None else layer_specs is None:
         _shard_embeddings(model, meta, tp_group, device, skip=set(placements))
+    if layer_specs is not None:
+        _sum_replicated_grads(model, list(layer_specs), getattr(config, "model_type", None), tp_group)
     return model
+
+
+def _sum_replicated_grads(model: nn.Module, specs: list[TPLayerSpec], model_type: str | None,
+                          group: dist.ProcessGroup | None) -> None:
+    """Parameters of ``grad_allreduce`` specs stay whole but act on this rank's share of the activations (Qwen3's
+    q_norm/k_norm over the local heads), so each rank computes a partial gradient: a hook sums it over the group
+    as soon as autograd produces it (before accumulation), or the replicas drift apart after the first step."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for name, param in model.named_parameters():
+        spec = next((s for s in specs if s.matches(name, model_type)), None)
+        if spec is None or not spec.grad_allreduce or getattr(param, "_ds_grad_allreduce_registered", False):
+            continue
+        param.register_hook(hook)
+        param._ds_grad_allreduce_registered = True
 
 
 def _tp_layer(module: nn.Module, name: str, placement: Placement, meta: ShardMeta,

@@ -28,6 +28,9 @@ class TPLayerSpec:
     ``shape``/``partition_dim`` describe packed sub-parameters along the split dimension: ``shape[partition_dim]``
     is a count of equal chunks (``[2, -1]``: gate/up) or a list of chunk sizes (``[[q, kv, kv], -1]``);
     ``partition_dim`` defaults to the split dimension (0 column, 1 row). ``partition_type`` is case-insensitive.
+    ``gather_output`` (column): the output shards are all-gathered so every rank sees the whole output (Hugging
+    Face's ``colwise_gather_output``). ``grad_allreduce`` (skip): the weight stays whole but is applied to sharded
+    activations, so its gradient is summed over the tensor-parallel group (``replicated_with_grad_allreduce``).
     """
 
     patterns: list[str]
@@ -35,6 +38,8 @@ class TPLayerSpec:
     shape: Sequence[Any] | None = None
     partition_dim: int | None = None
     model_types: list[str] | None = None
+    gather_output: bool = False
+    grad_allreduce: bool = False
     _compiled: list[re.Pattern] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,7 +116,9 @@ class AutoTPConfig:
         """From the ``partition_config`` JSON shape (``layer_specs``, ``use_default_specs``)."""
         specs = [TPLayerSpec(patterns=list(s["patterns"]), partition_type=s.get("partition_type", "column"),
                              shape=s.get("shape"), partition_dim=s.get("partition_dim"),
-                             model_types=s.get("model_types")) for s in config.get("layer_specs", [])]
+                             model_types=s.get("model_types"), gather_output=bool(s.get("gather_output", False)),
+                             grad_allreduce=bool(s.get("grad_allreduce", False)))
+                 for s in config.get("layer_specs", [])]
         return cls(tp_size=int(config.get("tp_size", 1)), layer_specs=specs,
                    use_default_specs=bool(config.get("use_default_specs", False)))
 
@@ -199,24 +206,44 @@ class AutoTPPresets:
         return build() if build else None
 
 
-_HF_STYLES = {"colwise": PartitionType.COLUMN, "rowwise": PartitionType.ROW}
+# Hugging Face tp_plan styles AutoTP builds (``colwise_rep`` is the older name of ``colwise_gather_output``)
+SUPPORTED_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce")
+
+
+def check_styles(plan: Mapping[str, str]) -> None:
+    """Reject a plan holding any style AutoTP does not build: applying only the supported entries could shard one
+    half of a column/row pair (say ``o_proj`` by rows while the ``q_proj`` feeding it stays whole)."""
+    unsupported = sorted({str(s) for s in plan.values() if str(s).lower() not in SUPPORTED_STYLES})
+    if unsupported:
+        raise ValueError(f"Hugging Face tp_plan contains unsupported partition style(s): {unsupported} (accepted: "
+                         f"{', '.join(SUPPORTED_STYLES)}); the plan is rejected as a whole: give "
+                         "tensor_parallel.partition_config for this model instead")
+
+
+def style_spec(pattern: str, style: str) -> TPLayerSpec:
+    """The layer spec of one tp_plan entry: ``pattern`` (a regex) sharded as ``style`` (checked by
+    :func:`check_styles`)."""
+    style = str(style).lower()
+    if style.startswith("colwise"):
+        return TPLayerSpec(patterns=[pattern], partition_type=PartitionType.COLUMN,
+                           gather_output=style != "colwise")
+    if style == "rowwise":
+        return TPLayerSpec(patterns=[pattern], partition_type=PartitionType.ROW)
+    return TPLayerSpec(patterns=[pattern], partition_type=PartitionType.SKIP, grad_allreduce=True)
 
 
 def hf_tp_plan_specs(plan: Mapping[str, str] | None) -> list[TPLayerSpec] | None:
     """Layer specs from a Hugging Face ``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj": "colwise"}``).
 
-    Only ``colwise`` and ``rowwise`` are supported; any other style rejects the whole plan (applying part of it
-    could shard one half of a column/row pair). None for an empty plan.
+    The styles of :data:`SUPPORTED_STYLES` are supported; any other style rejects the whole plan. None for an empty
+    plan. Unlike ``TPPlanConverter`` (DeepSpeed's converter, whose rules match weights only and whose ``*`` spans
+    dots), a ``*`` here stands for one name component and a rule matches the bias too.
     """
     if not plan:
         return None
-    unsupported = sorted({str(s) for s in plan.values() if str(s).lower() not in _HF_STYLES})
-    if unsupported:
-        raise ValueError(f"Hugging Face tp_plan style(s) {unsupported} are not supported by AutoTP (accepted: "
-                         "colwise, rowwise); give tensor_parallel.partition_config for this model instead")
+    check_styles(plan)
     specs = []
     for pattern, style in plan.items():
         body = re.escape(pattern).replace(r"\*", r"[^.]+")
-        specs.append(TPLayerSpec(patterns=[rf"(^|.*\.){body}\.(weight|bias)$"],
-                                 partition_type=_HF_STYLES[str(style).lower()]))
+        specs.append(style_spec(rf"(^|.*\.){body}\.(weight|bias)$", style))
     return specs
