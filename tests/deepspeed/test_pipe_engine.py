@@ -14,6 +14,8 @@ from _harness import DistributedTestFailure, run_distributed
 from _pipe_models import gpt_batches, gpt_specs, lm_loss, mlp_batches, mlp_specs, reference_losses, shard
 from torch import nn
 
+from ds_pipe.p2p import TRAILER_BYTES
+
 STEPS, GAS = 3, 3
 
 
@@ -295,7 +297,7 @@ def _sliced(partitioned):
     original = dist.isend
 
     def counting(tensor, dst, *args, **kwargs):
-        if tensor.dtype == torch.float32:
+        if tensor.dtype == torch.uint8:  # a frame: one activation or gradient's bytes, then a trailer
             sent.append(tensor.numel())
         return original(tensor, dst, *args, **kwargs)
 
@@ -314,7 +316,7 @@ def test_activations_partitioned_over_tensor_slices():
         got = run_distributed(_sliced, world_size=4, args=(partitioned,), timeout=120)
         for losses, _ in got:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
-        assert max(largest for _, largest in got) == numel
+        assert max(largest for _, largest in got) == numel * 4 + TRAILER_BYTES
 
 
 def _monitored(out_dir):

@@ -85,6 +85,7 @@ class PipelineEngine(DeepSpeedEngine):
         self._compute_loss = True
         self.pipe_buffers: dict[str, list[Any]] = {}
         self._links = self._build_links(model, config)
+        self._links_grad_mode: bool | None = None  # the grad mode of the last schedule
         self._clip_in_bf16 = clipping.clips_bf16_grads(self.optimizer, self.zero_optimization_stage(),
                                                        self.gradient_clipping())
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
@@ -95,15 +96,14 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _build_links(self, model: PipelineModule, config: Any) -> dict[str, StageLink]:
         grid, links = self.grid, {}
-        partitioned = grid.get_slice_parallel_world_size() > 1
+        sliced = grid.get_slice_parallel_world_size() > 1
         for name, stage in (("prev", self.stage_id - 1), ("next", self.stage_id + 1)):
-            if 0 <= stage < self.num_stages:
-                sends_grads = name == "prev"
+            if 0 <= stage < self.num_stages:  # both ends of a link split activations and gradients alike
                 links[name] = StageLink(LinkConfig(
                     stage=self.stage_id, peer_stage=stage, peer_rank=grid.stage_to_global(stage), device=self.device,
                     dynamic_shape=model.dynamic_shape, slice_group=grid.get_slice_parallel_group(),
-                    partitioned=partitioned and (config.pipeline.grad_partitioned if sends_grads
-                                                 else config.pipeline.pipe_partitioned)))
+                    partitioned=sliced and config.pipeline.pipe_partitioned,
+                    grad_partitioned=sliced and config.pipeline.grad_partitioned))
         return links
 
     # ---- the documented interface ----------------------------------------------------------------------------
@@ -226,6 +226,11 @@ class PipelineEngine(DeepSpeedEngine):
                                                for key in ("inputs", "labels", "outputs", "output_grads")}
         self._loaded = 0
         self._micro_batches_now = sched.micro_batches
+        if torch.is_grad_enabled() != self._links_grad_mode:
+            # train_batch and eval_batch send different requires_grad flags: both ends of every link start
+            # again from a control message here, at the same point of the call sequence
+            self.reset_activation_shape()
+            self._links_grad_mode = torch.is_grad_enabled()
         try:
             for step_cmds in sched:
                 for cmd in step_cmds:
