@@ -47,6 +47,7 @@ from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.peer_failure import announce, named_peer_failures
 from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
 from deepspeed.utils import log_dist
+from deepspeed.utils.timer import ThroughputTimer
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -152,6 +153,10 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self.timers = PhaseTimers(self._config.wall_clock_breakdown or self._config.flops_profiler.enabled,
                                   get_accelerator().synchronize)
         self.tput = Throughput()
+        # DeepSpeed's samples/s meter (timers.throughput) with its counters; the progress line reports from tput
+        spp = self._config.steps_per_print
+        self.tput_timer = ThroughputTimer(self._config.timers.throughput, batch_size=self.train_batch_size(),
+                                          steps_per_output=int(spp) if math.isfinite(spp) else None)
 
     def _autocast_dtype(self) -> torch.dtype:
         return _LOW[self._config.torch_autocast.dtype]
@@ -160,6 +165,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module (under ``torch_autocast`` when configured; fp16 ``auto_cast`` casts float inputs)."""
         self._maybe_start_profile()
+        if getattr(self, "training_dataloader", None) is None:  # else the engine's data loader starts it
+            self.tput_timer.start()
         self.timers.start(FORWARD)
         if self._config.fp16_enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
@@ -266,14 +273,16 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip the gradient all-reduce inside the block (gradients accumulate locally)."""
-        if self.zero_optimization_partition_gradients():  # DeepSpeed's documented error type
-            raise AssertionError(f"no_sync is not supported with ZeRO stage {self.zero_optimization_stage()} "
-                                 "(partitioned gradients); use coalesce_grad_reduction()")
-        previous, self._sync_enabled = self._sync_enabled, False
+        if self.zero_optimization_partition_gradients():  # DeepSpeed's documented error type and wording
+            raise AssertionError("no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                                 f"stage {self.zero_optimization_stage()}; use coalesce_grad_reduction()")
+        if not self._sync_enabled:
+            raise AssertionError("no_sync context manager reentry is unsupported")
+        self._sync_enabled = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            self._sync_enabled = True
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:
@@ -314,6 +323,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self._require_optimizer("step")
         if getattr(self.reducer, "coalescing", False):
             raise RuntimeError("engine.step() was called inside coalesce_grad_reduction(); step after the block ends")
+        if not self._sync_enabled:  # DeepSpeed's wording: the gradients inside are local, not reduced
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         self.timers.start(STEP)
@@ -322,6 +333,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self.timers.stop(STEP)
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
         if boundary:
             self._after_model_step()
 

@@ -182,7 +182,8 @@ class DataMethods:
             return DeepSpeedDataLoader(local_rank=self.local_rank, tput_timer=None, data_parallel_rank=rank,
                                        data_parallel_world_size=self.dp_world_size, **dynamic)
         return DeepSpeedDataLoader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), pin_memory,
-                                   self.local_rank, None, collate_fn=collate_fn,
+                                   self.local_rank, self.tput_timer if route == "train" else None,
+                                   collate_fn=collate_fn,
                                    num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
                                    data_parallel_world_size=self.dp_world_size, data_parallel_rank=rank,
                                    dataloader_drop_last=self._config.dataloader_drop_last,
