@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.engine import _module, _moe, _optimizer, _setup, _stages
+from deepspeed.runtime.eigenvalue import eigenvalue_summary_events as _eigenvalue_summary_events  # noqa: F401
+from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages
 from deepspeed.runtime.engine._accessors import ConfigAccessors
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
@@ -207,7 +208,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
             loss = loss / gas
         scaled = self.optimizer.scale_loss(loss)
         with named_peer_failures(self.global_steps, "backward"):
-            self._run_backward(lambda: scaled.backward(retain_graph=retain_graph))
+            self._run_backward(lambda: scaled.backward(**_eigenvalue.backward_kwargs(self, retain_graph)))
         return loss
 
     def _run_backward(self, run: Any) -> None:
@@ -330,6 +331,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self.timers.start(STEP)
         if boundary:
             with named_peer_failures(self.global_steps, "step"):
+                _eigenvalue.at_boundary(self)
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self.timers.stop(STEP)
