@@ -16,6 +16,12 @@ reused, so the reduction holds at most one or two buckets, never a full gradient
 - ``reduce_scatter: false``: one all-reduce per bucket.
 Stage 2 (``every_micro_step``) reduces after every backward and adds into its persistent partitions; stage 1
 reduces the whole accumulated gradient at the accumulation boundary and replaces the partitions.
+Stage 1 on the CPU keeps each bucket's full gradients in a persistent store laid out as the bucket
+(``grad_slot``: ``param.grad`` is a view of it, as stage 0's bucket views). Where the bucket travels point to
+point in its own dtype with no factor before the sum (the defaults), the exchange sends straight from the store
+and sums this rank's pieces into the staging buffer, never writing the store: each gradient is copied once
+(autograd's tensor into its slot), and a second backward at the boundary still finds the local gradient there.
+Otherwise the store is packed into a communication buffer as a stage-2 bucket is.
 ``contiguous_gradients`` keeps the communication buffers, and the point-to-point exchange's staging buffers
 (as many elements as this rank owns of the largest bucket), allocated and reuses them: no allocation in the hot
 path; without it each bucket gets fresh buffers that are freed after its reduction. Stage 2 copies each
@@ -99,6 +105,9 @@ class _Bucket:
             total += p.numel()
         self.numel, self.dtype, self.device = total, dtype, device
         self.flat: torch.Tensor | None = None  # the communication buffer while packed or in flight
+        self.store: torch.Tensor | None = None  # stage 1, CPU: the parameters' full gradients (see grad_slot)
+        self.direct = False  # stage 1: reduced straight from ``store``, which the reduction never writes
+        self.acc: torch.Tensor | None = None  # direct: this rank's summed pieces (the staging itself on 2 ranks)
         self.pooled = False  # flat is a view of a pooled buffer (returned to the pool when done)
         self.runs: list[tuple[int, int, int]] | None = None  # (owner, offset, numel), see _owner_runs
         self.own: list[tuple[int, int, int, int]] | None = None  # this rank's pieces, see _own_slices
@@ -110,8 +119,8 @@ class _Bucket:
         self.filled: set[int] = set()  # slots already copied into ``flat`` as their gradients landed
         self.works: list[Any] = []  # the collective, or the exchange's sends
 
-    def slice(self, i: int) -> torch.Tensor:
-        return self.flat.narrow(0, self.offsets[i], self.params[i].numel())
+    def slice(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        return (self.flat if flat is None else flat).narrow(0, self.offsets[i], self.params[i].numel())
 
 
 class PartitionedReducer:
@@ -136,6 +145,8 @@ class PartitionedReducer:
         self.params = [p for p in params if p in self.home]
         self._channels = self._group_channels(groups)
         self.buckets = self._plan(self.params)
+        for bucket in self.buckets:
+            bucket.direct = self._reduces_from_store(bucket)
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.next_launch = 0
         self.coalescing = False
@@ -183,6 +194,38 @@ class PartitionedReducer:
             out.extend(_Bucket(ps, dtype, ps[0].device, self._channels[self.home[ps[0]][0]])
                        for (dtype, _), ps in split.items())
         return out
+
+    def _reduces_from_store(self, bucket: _Bucket) -> bool:
+        """Stage 1: is ``bucket`` sent straight from its gradient store? (on the CPU, where ``grad_slot`` keeps
+        the gradients; in their own dtype; point to point, which only reads what it sends; no factor before
+        the sum, which would have to be written somewhere)"""
+        return (not self.free_grads and self._uses_exchange(bucket) and self._pre_factor(bucket.channel) == 1.0
+                and all(p.device.type == "cpu" and p.dtype == bucket.dtype == self.grad_dtype(p)
+                        for p in bucket.params))
+
+    def _pre_factor(self, channel: _Channel) -> float:
+        """Multiplier applied to a bucket before the sum."""
+        s = self.settings
+        if not s.average:
+            return 1.0
+        return 1.0 / channel.divisor if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
+
+    def grad_slot(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Stage 1: where ``param``'s full gradient lives from its first backward to the step, a view of its
+        bucket's persistent store (allocated on first use), or None (stage 2, or a parameter whose dtype is not
+        its bucket's store's). The optimizer copies autograd's fresh gradient into it and points ``param.grad``
+        at it, so autograd's memory serves the next layer's gradient (freed together at ``zero_grad``, a model's
+        gradients went back to the OS every step and came back as page faults), later micro-steps accumulate
+        into it in place, and a direct bucket is sent from it with no copy."""
+        where = self.where.get(param)
+        if where is None or self.free_grads:
+            return None
+        bucket = self.buckets[where[0]]
+        if bucket.store is None:
+            bucket.store = torch.empty(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.device)
+        if param.dtype != bucket.store.dtype or param.device != bucket.store.device:
+            return None
+        return bucket.slice(where[1], bucket.store).view_as(param)
 
     def _comm_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
         """``communication_data_type`` if set, else the ``torch_autocast`` dtype of a lower-precision-safe
@@ -257,7 +300,7 @@ class PartitionedReducer:
         """Per (dtype, device): the largest bucket that packs into a pooled buffer."""
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for b in self.buckets:
-            if b.numel <= self.settings.bucket_numel:
+            if b.numel <= self.settings.bucket_numel and not b.direct:
                 key = (b.dtype, b.device)
                 sizes[key] = max(sizes.get(key, 0), b.numel)
         return sizes
@@ -270,21 +313,34 @@ class PartitionedReducer:
         for b in self.buckets:
             if b.numel <= self.settings.bucket_numel and self._uses_exchange(b) and self._own_numel(b):
                 key = (b.dtype, b.device)
-                sizes[key] = max(sizes.get(key, 0), self._own_numel(b))
+                sizes[key] = max(sizes.get(key, 0), self._staging_numel(b))
         return sizes
+
+    def _staging_numel(self, bucket: _Bucket) -> int:
+        """A direct bucket on more than 2 ranks sums into a second half (the first receives the next peer)."""
+        own = self._own_numel(bucket)
+        return 2 * own if bucket.direct and bucket.channel.world > 2 else own
 
     def _uses_exchange(self, bucket: _Bucket) -> bool:
         s = self.settings
         return s.reduce_scatter and s.use_multi_rank_bucket_allreduce and bucket.channel.p2p
 
     def _acquire_staging(self, bucket: _Bucket) -> torch.Tensor:
-        numel = self._own_numel(bucket)
+        numel = self._staging_numel(bucket)
         pool = self._staging.get((bucket.dtype, bucket.device), []) if self.settings.contiguous_gradients else []
+        buf = None
         for k, t in enumerate(pool):
             if t.numel() >= numel:
                 bucket.staged = True
-                return pool.pop(k)[:numel]
-        return torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
+                buf = pool.pop(k)[:numel]
+                break
+        if buf is None:
+            buf = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
+        if bucket.direct:
+            own = self._own_numel(bucket)
+            bucket.acc = buf[own:] if numel > own else buf
+            return buf[:own]
+        return buf
 
     def _pack_in_place(self, bucket: _Bucket) -> bool:
         """A parameter larger than ``reduce_bucket_size`` is reduced in its own gradient tensor (no copy, no
@@ -302,9 +358,15 @@ class PartitionedReducer:
         return True
 
     def _pack(self, bucket: _Bucket) -> None:
-        """Copy the bucket's gradients (zeros for those without one) into its buffer; stage 2 frees them."""
+        """Copy the bucket's gradients (zeros for those without one) into its buffer; stage 2 frees them. A
+        direct bucket's buffer is its store, where the gradients already are (a gradient held elsewhere, e.g.
+        sparse, is copied in; ``param.grad`` stays as it is)."""
         self._make_room()
-        if bucket.flat is None:
+        if bucket.direct:
+            if bucket.store is None:  # no gradient was kept in a slot (none arrived, or none fitted)
+                bucket.store = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.flat = bucket.store
+        elif bucket.flat is None:
             if self._pack_in_place(bucket):
                 return
             bucket.flat = self._acquire(bucket)
@@ -318,6 +380,8 @@ class PartitionedReducer:
                 if i not in bucket.ready:
                     self._unused.append(p)
                 continue
+            if bucket.direct and not grad.is_sparse and grad.data_ptr() == dst.data_ptr():
+                continue  # the gradient is its slot of the store
             dst.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
             if self.free_grads:
                 p.grad = None
@@ -331,8 +395,7 @@ class PartitionedReducer:
                     fg.grad_partition.zero_()
         self._pack(bucket)
         flat, channel = bucket.flat, bucket.channel
-        pre = 1.0 / channel.divisor if s.prescale_gradients else 1.0 / s.gradient_predivide_factor
-        pre = pre if s.average else 1.0
+        pre = self._pre_factor(channel)
         if pre != 1.0:
             flat.mul_(pre)
         if channel.world > 1:
@@ -407,22 +470,34 @@ class PartitionedReducer:
     def _sum_received(self, bucket: _Bucket) -> None:
         """Add every peer's copy into this rank's pieces, in rank order (every rank's sum rounds the same way);
         a peer's copies are received once the previous peer's are added (the sends were all posted at launch, so
-        no rank waits on a receive that is not yet posted)."""
+        no rank waits on a receive that is not yet posted). A direct bucket's sums go to ``acc`` (same operands,
+        same order: the same bytes), leaving its store as it was."""
+        first = True
         while True:
             for work in bucket.receives:
                 work.wait()
             at = 0
             for _, start, numel in self._own_runs(bucket):
-                bucket.flat[start:start + numel].add_(bucket.staging[at:at + numel])
+                mine, theirs = bucket.flat[start:start + numel], bucket.staging[at:at + numel]
+                if not bucket.direct:
+                    mine.add_(theirs)
+                elif first:
+                    torch.add(mine, theirs, out=bucket.acc[at:at + numel])
+                else:
+                    bucket.acc[at:at + numel].add_(theirs)
                 at += numel
+            first = False
             if not bucket.pending:
                 break
             bucket.receives = self.comm.batch_isend_irecv(self._receive_ops(bucket, bucket.pending.pop(0)))
         bucket.receives = []
+
+    def _release_staging(self, bucket: _Bucket) -> None:
+        """Return the staging buffer (and a direct bucket's ``acc``, which lives in it) once its sums are read."""
         if bucket.staged:
             base = bucket.staging._base if bucket.staging._base is not None else bucket.staging
             self._staging.setdefault((bucket.dtype, bucket.device), []).append(base)
-        bucket.staging, bucket.staged = None, False
+        bucket.staging, bucket.staged, bucket.acc = None, False, None
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s collective, add this rank's slices into the partitions, release the buffer."""
@@ -434,9 +509,13 @@ class PartitionedReducer:
         s = self.settings
         post = 1.0 if s.prescale_gradients or not s.average else s.gradient_predivide_factor / bucket.channel.divisor
         if post != 1.0:  # only this rank's pieces are read after the reduction
-            for _, start, numel in self._own_runs(bucket):
-                bucket.flat[start:start + numel].mul_(post)
+            if bucket.acc is not None:
+                bucket.acc.mul_(post)
+            else:
+                for _, start, numel in self._own_runs(bucket):
+                    bucket.flat[start:start + numel].mul_(post)
         self._write_back(bucket)
+        self._release_staging(bucket)
         if bucket.pooled:
             base = bucket.flat._base if bucket.flat._base is not None else bucket.flat
             self._pool.setdefault((bucket.dtype, bucket.device), []).append(base)
@@ -486,9 +565,11 @@ class PartitionedReducer:
 
     def _write_back(self, bucket: _Bucket) -> None:
         dsts, srcs = [], []
+        at = 0  # a direct bucket's sums: this rank's pieces back to back in ``acc``, in bucket order
         for g, part_offset, offset, numel in self._own_slices(bucket):
             dsts.append(self.groups[g].grad_partition.narrow(0, part_offset, numel))
-            srcs.append(bucket.flat.narrow(0, offset, numel))
+            srcs.append(bucket.flat.narrow(0, offset, numel) if bucket.acc is None else bucket.acc.narrow(0, at, numel))
+            at += numel
         if not dsts:
             return
         if all(d.dtype == s.dtype for d, s in zip(dsts, srcs, strict=True)):

@@ -113,7 +113,6 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self.home = param_homes(self.groups)
         self._norm_runs = [self._partition_norm_runs(fg) for fg in self.groups]
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._slots: dict[int, list[torch.Tensor]] = {}  # stage 1: group -> its parameters' gradient slots
         self.reducer = PartitionedReducer(params, self.groups, self.home, self.get_grad, self.grad_dtype,
                                           settings.reduce, dp_group, self.world, settings.stage, comm)
         self._gather = [gather_method(fg.process_group, settings.allgather_partitions) if fg.layout.world_size > 1
@@ -191,22 +190,16 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         param.grad = None
 
     def _keep_in_slot(self, param: torch.nn.Parameter) -> None:
-        """Stage 1 keeps full gradients until the step: in one persistent buffer per group, as stage 0's bucket
-        views. A fresh gradient is copied into its slot and autograd's tensor freed at once, so its memory serves
-        the next layer's gradient; later micro-steps accumulate into the slot in place. Freed together at
-        ``zero_grad`` instead, a model's gradients went back to the OS every step and came back as page faults
-        (6,100 per step on a 6.3M-parameter MLP). CPU only: a device's caching allocator already reuses the
-        memory, and there the gradients' memory must go at ``zero_grad`` (``offload_states`` relies on it)."""
+        """Stage 1 keeps full gradients until the step: in the reducer's persistent per-bucket stores
+        (``PartitionedReducer.grad_slot``), as stage 0's bucket views. A fresh gradient is copied into its slot
+        and autograd's tensor freed at once, so its memory serves the next layer's gradient (6,100 page faults
+        per step on a 6.3M-parameter MLP when a model's gradients were freed together at ``zero_grad``); later
+        micro-steps accumulate into the slot in place, and the reduction sends from it with no second copy.
+        CPU only: a device's caching allocator already reuses the memory, and there the gradients' memory must
+        go at ``zero_grad`` (``offload_states`` relies on it)."""
         grad = param.grad
-        g, i = self.home[param]
-        slots = self._slots.get(g)
-        if slots is None:
-            fg = self.groups[g]
-            flat = torch.empty(fg.layout.numel, dtype=fg.lp_flat.dtype, device=fg.lp_flat.device)
-            slots = self._slots[g] = [flat.narrow(0, offset, p.numel()).view_as(p)
-                                      for p, offset in zip(fg.params, fg.layout.offsets, strict=True)]
-        slot = slots[i]
-        if grad is slot or grad.is_sparse or grad.requires_grad or grad.dtype != slot.dtype:
+        slot = self.reducer.grad_slot(param)
+        if slot is None or grad is slot or grad.is_sparse or grad.requires_grad or grad.dtype != slot.dtype:
             return  # (a gradient that requires grad: backward(create_graph=True) builds on it; left as it is)
         if grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride():
             return
