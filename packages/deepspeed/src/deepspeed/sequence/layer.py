@@ -28,6 +28,14 @@ from torch import Tensor
 from torch.nn import Module
 
 from deepspeed import comm
+from deepspeed.accelerator import get_accelerator
+
+try:  # torchembed's fused RoPE kernel (Triton), which DeepSpeed uses for tensors on an accelerator when installed
+    from torchembed._triton import fused_rope_forward as _torchembed_rope_forward
+
+    _torchembed_available = True
+except ImportError:
+    _torchembed_available = False
 
 
 class _HeadPartition:
@@ -126,7 +134,16 @@ def apply_rotary_pos_emb(t: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Ten
     """Rotary position embedding on the first ``freqs_cos.shape[-1]`` features of ``t`` (broadcast shapes)."""
     rot_dim = freqs_cos.shape[-1]
     t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    t = t * freqs_cos + _rotate_half(t) * freqs_sin
+    # The fused kernel takes [seq, rot_dim] caches applied along t's second-to-last axis: used only when t's dim 0
+    # is unambiguously the caches' sequence dim (callers with another layout take the reference formula).
+    if (_torchembed_available and get_accelerator().on_accelerator(t) and rot_dim % 2 == 0
+            and freqs_cos.shape[0] == t.shape[0] and freqs_cos.numel() == freqs_cos.shape[0] * rot_dim):
+        cos, sin = (f.reshape(f.shape[0], rot_dim) for f in (freqs_cos, freqs_sin))
+        seq_last = t.movedim(0, -2).contiguous()
+        out, _ = _torchembed_rope_forward(seq_last, seq_last, cos, sin)
+        t = out.movedim(-2, 0).contiguous()
+    else:
+        t = t * freqs_cos + _rotate_half(t) * freqs_sin
     return t if t_pass.shape[-1] == 0 else torch.cat((t, t_pass), dim=-1)
 
 
