@@ -73,6 +73,8 @@ AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
 AUTOEP_NUM_EXPERTS = "num_experts"
 AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
 AUTOEP_EP_SIZE = "ep_size"
+# the fields every AutoEP layer entry of a ZeRO-1/2 checkpoint holds (DeepSpeed reads them when converting)
+AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)
 EP_IS_EXPERT_PARAM = "is_expert_param"
 EP_NUM_EXPERTS = "ep_num_experts"
 EXPERT_PARAMETER_PATTERNS = "expert_parameter_patterns"

@@ -65,6 +65,9 @@ from deepspeed.checkpoint._conversion import (
 from deepspeed.checkpoint._conversion import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE as UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
+from deepspeed.checkpoint.autoep_metadata import (  # DeepSpeed's private name for it
+    aggregate_autoep_zero12_metadata as _aggregate_autoep_zero12_metadata,  # noqa: F401
+)
 from deepspeed.checkpoint.universal import LATEST_UNIVERSAL, ZERO_FOLDER
 from deepspeed.runtime.checkpointing.atomic import atomic_write_text, make_dirs
 

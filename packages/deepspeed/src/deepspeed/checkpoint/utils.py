@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from deepspeed.checkpoint.constants import MODEL_FILE_PREFIX, MODEL_FILE_SUFFIX, OPTIM_FILE_SUFFIX, ZERO_FILE_PREFIX
+from deepspeed.checkpoint.constants import (
+    CHECKPOINT_PARALLEL_DIMS,
+    CHECKPOINT_PP_DEGREE,
+    CHECKPOINT_TP_DEGREE,
+    MODEL_FILE_PREFIX,
+    MODEL_FILE_SUFFIX,
+    OPTIM_FILE_SUFFIX,
+    ZERO_FILE_PREFIX,
+)
 
 
 def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
@@ -48,3 +56,25 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.d
     if isinstance(item, (list, tuple)):
         return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
     return item
+
+
+def _pipeline_degree(mpu: Any) -> int:
+    for name in ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"):  # Megatron, DeepSpeed
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    return 1
+
+
+def _tensor_degree(mpu: Any) -> int:
+    for name in ("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size",
+                 "get_model_parallel_world_size"):  # new Megatron, DeepSpeed's pipeline grid, old Megatron
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    return 1
+
+
+def checkpoint_parallel_metadata(mpu: Any = None) -> dict[str, dict[str, int]]:
+    """``{"checkpoint_parallel_dimensions": {"pp_degree": p, "tp_degree": t}}`` of a job with model-parallel unit
+    ``mpu`` (None: 1 and 1), as DeepSpeed records it in each model-states file for ``DeepSpeedCheckpoint``."""
+    pp, tp = (1, 1) if mpu is None else (_pipeline_degree(mpu), _tensor_degree(mpu))
+    return {CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: pp, CHECKPOINT_TP_DEGREE: tp}}

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint.utils import checkpoint_parallel_metadata as _checkpoint_parallel_metadata  # noqa: F401
 from deepspeed.runtime.eigenvalue import eigenvalue_summary_events as _eigenvalue_summary_events  # noqa: F401
 from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages
 from deepspeed.runtime.engine._accessors import ConfigAccessors
