@@ -6,6 +6,8 @@ so parameters (and weight tying) are kept.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -17,6 +19,7 @@ from deepspeed.compression._mixin import (
     output_mask,
     replace_parameter,
 )
+from deepspeed.compression._mp_region import Copy, Gather, Reduce, Scatter
 from deepspeed.compression.utils import QuantAct as QuantAct  # DeepSpeed's path for it
 
 
@@ -207,6 +210,61 @@ class BNLayer_Compress(nn.BatchNorm2d):  # DeepSpeed's class name
             self.running_mean = self.running_mean[keep].clone()
             self.running_var = self.running_var[keep].clone()
         self.num_features = int(keep.sum())
+
+
+# Megatron-style model-parallel linears of an ``mpu`` (its ``ColumnParallelLinear`` / ``RowParallelLinear``): each
+# rank holds its weight shard, a column layer [output_size / P, input_size], a row layer [output_size, input_size / P]
+# (P = mpu.get_model_parallel_world_size()); both return ``(output, bias)`` as Megatron's layers do, the bias unadded
+# with ``skip_bias_add``. Compression acts on the local shard, as in DeepSpeed.
+def _model_parallel_size(mpu: Any, size: int, what: str) -> int:
+    world = mpu.get_model_parallel_world_size()
+    if size % world:
+        raise ValueError(f"{what}={size} is not divisible by the model-parallel world size {world}")
+    return size // world
+
+
+class ColumnParallelLinear_Compress(LinearLayer_Compress):  # noqa: N801 - DeepSpeed's class name
+    """Column-parallel linear (output features split over the group) with compression; ``gather_output``
+    all-gathers the output shards into the whole output."""
+
+    def __init__(self, mpu: Any, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
+                 skip_bias_add: bool = False) -> None:
+        per_rank = _model_parallel_size(mpu, output_size, "ColumnParallelLinear_Compress: output_size")
+        super().__init__(input_size, per_rank, bias=bias)
+        self.mpu, self.input_size, self.output_size = mpu, input_size, output_size
+        self.output_size_per_partition = per_rank
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        group = self.mpu.get_model_parallel_group()
+        hidden = Copy.apply(input_, group)
+        if self.skip_bias_add:
+            out, bias = super().forward(hidden, True)
+        else:
+            out, bias = super().forward(hidden), None
+        return (Gather.apply(out, group) if self.gather_output else out), bias
+
+
+class RowParallelLinear_Compress(LinearLayer_Compress):  # noqa: N801 - DeepSpeed's class name
+    """Row-parallel linear (input features split over the group) with compression: partial outputs are summed
+    over the group and the (replicated) bias added once, or handed back with ``skip_bias_add``."""
+
+    def __init__(self, mpu: Any, input_size: int, output_size: int, bias: bool = True,
+                 input_is_parallel: bool = False, skip_bias_add: bool = False) -> None:
+        per_rank = _model_parallel_size(mpu, input_size, "RowParallelLinear_Compress: input_size")
+        super().__init__(per_rank, output_size, bias=bias)
+        self.mpu, self.input_size, self.output_size = mpu, input_size, output_size
+        self.input_size_per_partition = per_rank
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        group = self.mpu.get_model_parallel_group()
+        hidden = input_ if self.input_is_parallel else Scatter.apply(input_, group)
+        partial, bias = super().forward(hidden, True)
+        out = Reduce.apply(partial, group)
+        if self.skip_bias_add:
+            return out, bias
+        return (out + bias if bias is not None else out), None
 
 
 COMPRESS_CLASSES: tuple[tuple[type[nn.Module], type[nn.Module]], ...] = (

@@ -19,6 +19,7 @@ from deepspeed.compression.helper import (
     compression_preparation,
     fix_compression,
     is_module_compressible,
+    mp_linear_types,
     recursive_getattr,
 )
 from deepspeed.compression.layer_reduction import student_initialization
@@ -57,7 +58,9 @@ def get_module_name(group_name: str, model: nn.Module, key_word: str, exist_modu
         types = tuple(t for t in types if t in (nn.Linear, nn.Conv2d))
     found = []
     for name, module in model.named_modules():
-        if not (is_module_compressible(module, mpu) and isinstance(module, types)):
+        # an mpu's model-parallel linears count as Linear layers
+        linear_like = nn.Linear in types and mpu is not None and isinstance(module, mp_linear_types(mpu))
+        if not (is_module_compressible(module, mpu) and (isinstance(module, types) or linear_like)):
             continue
         if pattern is not None and pattern.search(name) is None:
             continue

@@ -10,7 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspeed.compression.basic_layer import COMPRESS_CLASSES
+from deepspeed.compression.basic_layer import (
+    COMPRESS_CLASSES,
+    ColumnParallelLinear_Compress,
+    RowParallelLinear_Compress,
+)
 
 COMPRESSIBLE_TYPES = tuple(plain for plain, _ in COMPRESS_CLASSES)
 _COMPRESS_TYPES = tuple(compress for _, compress in COMPRESS_CLASSES)
@@ -30,18 +34,52 @@ def recursive_setattr(model: nn.Module, module_name: str, module: Any) -> None:
     setattr(recursive_getattr(model, ".".join(parents)), last, module)
 
 
+def mp_linear_types(mpu: Any) -> tuple[type, ...]:
+    """The model-parallel linears compressed as linears: the compression classes and, when ``mpu`` has them, its
+    Megatron ``ColumnParallelLinear`` / ``RowParallelLinear``."""
+    found: list[type] = [ColumnParallelLinear_Compress, RowParallelLinear_Compress]
+    if mpu is not None:
+        found += [t for t in (getattr(mpu, "ColumnParallelLinear", None), getattr(mpu, "RowParallelLinear", None))
+                  if isinstance(t, type)]
+    return tuple(found)
+
+
 def is_module_compressible(module: nn.Module, mpu: Any = None) -> bool:
-    """True for exactly ``nn.Linear``/``nn.Conv2d``/``nn.Embedding``/``nn.BatchNorm2d`` and their compression
-    classes. Other subclasses (e.g. ``MultiheadAttention``'s ``out_proj``) are skipped: their own ``forward`` or
-    their owner reads the weight directly, so a compressed forward would not be used. Model-parallel layers of
-    ``mpu`` are not compressed in this version."""
-    return type(module) in COMPRESSIBLE_TYPES or isinstance(module, _COMPRESS_TYPES)
+    """True for exactly ``nn.Linear``/``nn.Conv2d``/``nn.Embedding``/``nn.BatchNorm2d``, their compression classes
+    and (with ``mpu``) the mpu's ``ColumnParallelLinear``/``RowParallelLinear``. Other subclasses (e.g.
+    ``MultiheadAttention``'s ``out_proj``) are skipped: their own ``forward`` or their owner reads the weight
+    directly, so a compressed forward would not be used."""
+    return (type(module) in COMPRESSIBLE_TYPES or isinstance(module, _COMPRESS_TYPES)
+            or (mpu is not None and isinstance(module, mp_linear_types(mpu))))
 
 
-def convert_module(module: nn.Module) -> nn.Module:
-    """``module`` as its compression-aware class, converted in place (same object, same parameters)."""
+def _convert_model_parallel(module: nn.Module, mpu: Any) -> nn.Module:
+    """A Megatron model-parallel linear as its compression class, holding the same weight and bias Parameters."""
+    bias = getattr(module, "bias", None)
+    if isinstance(module, getattr(mpu, "ColumnParallelLinear", ())):
+        new = ColumnParallelLinear_Compress(mpu, module.input_size, module.output_size, bias=bias is not None,
+                                            gather_output=module.gather_output, skip_bias_add=module.skip_bias_add)
+    else:
+        new = RowParallelLinear_Compress(mpu, module.input_size, module.output_size, bias=bias is not None,
+                                         input_is_parallel=module.input_is_parallel,
+                                         skip_bias_add=module.skip_bias_add)
+    if tuple(new.weight.shape) != tuple(module.weight.shape):
+        raise ValueError(f"{type(module).__name__}: weight shard {tuple(module.weight.shape)} does not match the "
+                         f"model-parallel split {tuple(new.weight.shape)} of mpu.get_model_parallel_world_size()")
+    new.weight = module.weight
+    if bias is not None:
+        new.bias = bias
+    new.train(module.training)
+    return new
+
+
+def convert_module(module: nn.Module, mpu: Any = None) -> nn.Module:
+    """``module`` as its compression-aware class: converted in place (same object, same parameters), or for an
+    mpu's model-parallel linear a new compression layer holding the same Parameters."""
     if isinstance(module, _COMPRESS_TYPES):
         return module
+    if mpu is not None and isinstance(module, mp_linear_types(mpu)):
+        return _convert_model_parallel(module, mpu)
     for plain, compress in COMPRESS_CLASSES:
         if type(module) is plain:
             module.__class__ = compress
@@ -49,7 +87,15 @@ def convert_module(module: nn.Module) -> nn.Module:
                 module.init_compression_state()
             return module
     raise TypeError(f"{type(module).__name__} cannot be compressed; compressible layers: "
-                    f"{[t.__name__ for t in COMPRESSIBLE_TYPES]}")
+                    f"{[t.__name__ for t in COMPRESSIBLE_TYPES]} (and an mpu's ColumnParallelLinear/RowParallelLinear)")
+
+
+def _convert_in_model(model: nn.Module, module_name: str, mpu: Any) -> nn.Module:
+    old = recursive_getattr(model, module_name)
+    new = convert_module(old, mpu)
+    if new is not old:  # a model-parallel linear's compression layer replaces it in its parent
+        recursive_setattr(model, module_name, new)
+    return new
 
 
 _ENABLERS = {"weight_quantization": "enable_weight_quantization",
@@ -80,7 +126,7 @@ def module_replacement(model: nn.Module, module_name: str, compression_technique
                        mpu: Any = None) -> None:
     """Convert ``model.<module_name>`` to its compression class and configure ``compression_technique``
     (``{technique: merged parameters}``, only enabled ones take effect)."""
-    module = convert_module(recursive_getattr(model, module_name))
+    module = _convert_in_model(model, module_name, mpu)
     for technique, params in (compression_technique or {}).items():
         if params.get("enabled"):
             _configure(module, technique, params)
@@ -97,7 +143,7 @@ def compression_preparation(model: nn.Module, compression_techinique_list: list,
         for per_module in related_lists:
             for names in per_module:
                 for module_name in names:
-                    convert_module(recursive_getattr(model, module_name))
+                    _convert_in_model(model, module_name, mpu)
     return model
 
 
