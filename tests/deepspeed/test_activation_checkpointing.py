@@ -166,6 +166,8 @@ def test_configure_from_config_dict_and_explicit_arguments_win():
         ckpt.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
     with pytest.raises(ValueError, match="number of layers"):
         ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True)
+    with pytest.raises(AssertionError, match="number of layers"):  # DeepSpeed asserts; its callers catch that
+        ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True)
     with pytest.raises(ValueError, match="activation_checkpointing"):
         ckpt.configure(None, deepspeed_config={"train_batch_size": 2, "activation_checkpointing": {"bogus": 1}})
 

@@ -89,6 +89,19 @@ def z3_leaf_parameter(param: Any) -> bool:
     return bool(getattr(param, "ds_z3_leaf_module", False))
 
 
+def apply_leaf_config(model: torch.nn.Module, classes: Iterable[str] = (), names: Iterable[str] = (),
+                      name_suffixes: Iterable[str] = ()) -> list[torch.nn.Module]:
+    """Mark the modules the config's ``leaf_module`` block names (classes, ``named_modules()`` names, name
+    suffixes) as leaves, as DeepSpeed's engine does: afterwards ``z3_leaf_module`` is true for them. Entries
+    that match nothing are skipped (the defaults name Hugging Face classes a model may not have)."""
+    found = _set(model, tuple(classes), True, raise_if_not_found=False) if classes else []
+    if names:
+        found += set_z3_leaf_modules_by_name(model, names, raise_if_not_found=False)[0]
+    if name_suffixes:
+        found += set_z3_leaf_modules_by_suffix(model, name_suffixes, raise_if_not_found=False)[0]
+    return list({id(m): m for m in found}.values())
+
+
 def leaf_rule(classes: Iterable[str] = (), names: Iterable[str] = (), name_suffixes: Iterable[str] = ()) -> Any:
     """The config's ``leaf_module`` block as a predicate ``(qualified name, module) -> bool``: marked modules,
     modules of the listed classes (bare or dotted names), listed ``named_modules()`` names, and names that end

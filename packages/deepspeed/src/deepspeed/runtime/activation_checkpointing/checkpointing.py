@@ -355,6 +355,11 @@ def _configure_using_config(config: Any) -> None:
     PROFILE_TIME = section.profile
 
 
+class CheckpointingConfigError(ValueError, AssertionError):
+    """A contradictory ``configure()`` call: a ``ValueError`` here, and an ``AssertionError`` for code written
+    against DeepSpeed, which asserts these conditions."""
+
+
 def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,  # noqa: ANN001
               num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:  # noqa: ANN001
     """Configure activation checkpointing: defaults, then ``deepspeed_config``'s ``activation_checkpointing``
@@ -362,7 +367,8 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
 
     ``mpu_``: an object with ``get_tensor_model_parallel_rank/world_size/group`` (or the ``get_model_parallel_*``
     ones): the group activations are partitioned over. ``contiguous_checkpointing`` needs
-    ``partition_activations`` and ``num_checkpoints`` (``ValueError`` otherwise).
+    ``partition_activations`` and ``num_checkpoints`` (``CheckpointingConfigError``, a ``ValueError`` and an
+    ``AssertionError``, otherwise).
     """
     global mpu, num_layers, deepspeed_checkpointing_enabled, mp_rank, mp_size, mp_group
     global PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, CPU_CHECKPOINT, SYNCHRONIZE, PROFILE_TIME
@@ -380,10 +386,11 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     SYNCHRONIZE = SYNCHRONIZE if synchronize is None else synchronize
     PROFILE_TIME = PROFILE_TIME if profile is None else profile
     if CONTIGUOUS_CHECKPOINTING and not PARTITION_ACTIVATIONS:
-        raise ValueError("Contiguous Checkpointing is only available with partitioned activations. Set partitioned "
-                         "activations to true in deepspeed config")
+        raise CheckpointingConfigError("Contiguous Checkpointing is only available with partitioned activations. "
+                                       "Set partitioned activations to true in deepspeed config")
     if CONTIGUOUS_CHECKPOINTING and num_layers is None:
-        raise ValueError("Must specify the number of layers with contiguous memory checkpointing")
+        raise CheckpointingConfigError("Must specify the number of layers with contiguous memory checkpointing "
+                                       "(num_checkpoints, or activation_checkpointing.number_checkpoints)")
     if mpu is not None:
         mp_rank = bwc_tensor_model_parallel_rank(mpu)
         mp_size = bwc_tensor_model_parallel_world_size(mpu)

@@ -67,10 +67,11 @@ def _schedule_settings(zero: Any) -> Any:
         memory_efficient_linear=bool(zero.memory_efficient_linear))
 
 
-def _leaf_rule(zero: Any) -> Any:
-    from ds_zero.zero3.leaf import leaf_rule
+def _leaf_rule(zero: Any, module: torch.nn.Module) -> Any:
+    from ds_zero.zero3.leaf import apply_leaf_config, leaf_rule
 
-    leaf = zero.leaf_module
+    leaf = zero.leaf_module  # flagged on the modules as DeepSpeed does, so z3_leaf_module() reports them
+    apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
     return leaf_rule(leaf.classes, leaf.names, leaf.name_suffixes)
 
 
@@ -113,7 +114,7 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
                 param_swap_settings(zero.offload_param, config.aio))
     if zpp.zero_quantized_nontrainable_weights:  # frozen partitions stored int8 (those on NVMe keep their dtype)
         quantize_nontrainable(module.parameters(), zpp.block)
-    scheduler = ParamScheduler(module, _schedule_settings(zero), _leaf_rule(zero))
+    scheduler = ParamScheduler(module, _schedule_settings(zero), _leaf_rule(zero, module))
     scheduler.partition_parent = dp_group  # build_zero3_stage reduces over the same group (MiCS: its sub-groups)
     scheduler.quantize_frozen_block = zpp.block if zpp.zero_quantized_nontrainable_weights else None
     install_state_dict_hooks(module)
