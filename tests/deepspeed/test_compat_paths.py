@@ -218,7 +218,8 @@ import importlib, json
 import deepspeed
 out = {}
 for path in ("deepspeed.pipe", "deepspeed.moe.layer", "deepspeed.runtime.pipe.engine", "deepspeed.inference.v2",
-             "deepspeed.ops.transformer", "deepspeed.ops.transformer.inference", "deepspeed.inference.engine"):
+             "deepspeed.ops.transformer", "deepspeed.ops.transformer.inference.ds_attention",
+             "deepspeed.inference.engine"):
     try:
         importlib.import_module(path)
         out[path] = "imported"
@@ -246,9 +247,9 @@ def test_paths_of_features_not_built_yet_say_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
     assert out["deepspeed.ops.transformer"] == "imported"  # the training layer; its inference kernels are not
-    kind, name, message = out["deepspeed.ops.transformer.inference"]
-    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.ops.transformer.inference")
-    assert "inference" in message and "does not provide yet" in message
+    kind, name, message = out["deepspeed.ops.transformer.inference.ds_attention"]
+    assert (kind, name) == ("FeatureNotAvailable", "deepspeed.ops.transformer.inference.ds_attention")
+    assert "kernel injection" in message and "does not provide yet" in message
     assert out["deepspeed.moe.layer"] == "imported"
     assert out["deepspeed.pipe"] == "imported" and out["deepspeed.runtime.pipe.engine"] == "imported"
     assert "inference" in out["deepspeed.inference.v2"][2]

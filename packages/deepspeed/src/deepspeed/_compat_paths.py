@@ -78,11 +78,22 @@ COMPAT_PATHS: dict[str, str] = {
 }
 
 
+_KERNEL_INJECTION = "inference kernel injection (deepspeed.module_inject.containers)"
+
 NOT_BUILT: dict[str, str] = {
     # documented module path (and everything below it) -> the feature it belongs to, not built in this version
     "deepspeed.inference.v2": "DeepSpeed-FastGen ragged-batching inference (deepspeed.inference.v2)",
     "deepspeed.module_inject.containers": "inference kernel injection (deepspeed.module_inject.containers)",
-    "deepspeed.ops.transformer.inference": "inference (init_inference, InferenceEngine, tensor-parallel inference)",
+    # the inference kernels' config and elementwise ops are served (ds_ops.transformer.inference); its layers not
+    "deepspeed.ops.transformer.inference.ds_attention": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.ds_mlp": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.moe_inference": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.diffusers_attention": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.diffusers_transformer_block": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.diffusers_2d_transformer": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.triton": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.triton_ops": _KERNEL_INJECTION,
+    "deepspeed.ops.transformer.inference.bias_add": _KERNEL_INJECTION,
     "deepspeed.model_implementations": "inference kernel injection (deepspeed.module_inject.containers)",
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
     "deepspeed.linear": "the LoRA-optimized and quantized linear layers (deepspeed.linear: OptimizedLinear, "

@@ -1,0 +1,20 @@
+"""``VectorAddOp``: ``gamma * a + b`` in fp32, rounded to ``a``'s dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import DeepSpeedInferenceConfig
+from .base import BaseOp
+
+
+class VectorAddOp(BaseOp):
+    def __init__(self, config: DeepSpeedInferenceConfig | None = None) -> None:
+        super().__init__(config if config is not None else DeepSpeedInferenceConfig())
+
+    @staticmethod
+    def vector_add_func(a: torch.Tensor, b: torch.Tensor, gamma: float) -> torch.Tensor:
+        return (gamma * a.float() + b.float()).to(a.dtype)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, gamma: float) -> torch.Tensor:
+        return self.vector_add_func(a, b, gamma)
