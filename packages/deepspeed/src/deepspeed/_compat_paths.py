@@ -95,6 +95,19 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.ops.transformer.inference.triton_ops": _KERNEL_INJECTION,
     "deepspeed.ops.transformer.inference.bias_add": _KERNEL_INJECTION,
     "deepspeed.model_implementations": "inference kernel injection (deepspeed.module_inject.containers)",
+    "deepspeed.sequence.auto_sp": "AutoSP for multimodal models (ViT attention and vision-language fusion sequence "
+                                  "parallelism: deepspeed.sequence.auto_sp)",
+    "deepspeed.sequence.autosp_vit": "AutoSP for multimodal models (ViT attention and vision-language fusion sequence "
+                                     "parallelism: deepspeed.sequence.auto_sp)",
+    "deepspeed.sequence.autosp_fusion": "AutoSP for multimodal models (ViT attention and vision-language fusion "
+                                        "sequence parallelism: deepspeed.sequence.auto_sp)",
+    "deepspeed.runtime.hybrid_engine_graph": "CUDA-graph capture of the hybrid engine's token generation "
+                                             "(deepspeed.runtime.hybrid_engine_graph)",
+    "deepspeed.runtime.activation_checkpointing.offload_activations": "activation offloading of checkpointed inputs "
+                                                                      "to pinned CPU buffers "
+                                                                      "(CheckpointHiddenStatesOffload)",
+    "deepspeed.ops.deepspeed4science": "the EvoformerAttention kernels of DeepSpeed4Science "
+                                       "(deepspeed.ops.deepspeed4science)",
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
     "deepspeed.linear": "the LoRA-optimized and quantized linear layers (deepspeed.linear: OptimizedLinear, "
                         "LoRAConfig, QuantizationConfig)",
