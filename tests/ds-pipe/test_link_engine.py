@@ -123,3 +123,28 @@ def test_a_failing_stage_fails_every_stage(stages, stage, at, phase, step):
     cause = f"boom at micro-batch {at}" if phase == "forward" else "boom in backward"
     assert text.count(cause) >= stages, text  # every rank raised with the failing stage's error
     assert "PipelineAbort" in text and "timed out" not in text.lower()
+
+
+def _sliced(pipe_partitioned: bool, grad_partitioned: bool) -> float:
+    """2 stages x 2 tensor slices (each a full copy of its stage), activations and gradients split or not."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from ds_pipe import PipeModelDataParallelTopology
+
+    specs = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Tanh)] * 2
+    module = PipelineModule(specs, topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+                            loss_fn=nn.MSELoss(), seed_layers=True)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "pipeline": {"pipe_partitioned": pipe_partitioned, "grad_partitioned": grad_partitioned}}
+    engine = deepspeed.initialize(model=module, config=config)[0]
+    it = iter(mlp_batches(4))
+    engine.train_batch(it)
+    return float(engine.train_batch(it))
+
+
+def test_activations_and_gradients_split_by_their_own_settings():
+    whole = run_distributed(_sliced, world_size=4, args=(False, False), timeout=120)
+    for flags in ((True, False), (False, True)):
+        assert run_distributed(_sliced, world_size=4, args=flags, timeout=120) == whole
