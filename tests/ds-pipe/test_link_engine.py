@@ -129,7 +129,6 @@ def _sliced(pipe_partitioned: bool, grad_partitioned: bool) -> float:
     """2 stages x 2 tensor slices (each a full copy of its stage), activations and gradients split or not."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
-
     from ds_pipe import PipeModelDataParallelTopology
 
     specs = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Tanh)] * 2
