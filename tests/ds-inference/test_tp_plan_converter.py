@@ -86,3 +86,28 @@ def test_gather_output_and_grad_allreduce_on_two_ranks():
     assert with_hook == [((5, 6), True, True)] * 2
     without = run_distributed(_sharded_equals_full, world_size=2, args=(PLAN,), timeout=60)
     assert without == [((5, 6), True, False)] * 2  # each rank alone sees only its group's share
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.up = nn.Linear(6, 8)
+        self.lm_head = nn.Linear(6, 10, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+
+def _tied_head_stays_whole():
+    import warnings
+
+    model = _TiedLM()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autotp_shard(model, dist.group.WORLD, keep_module_on_host=True, tp_grain_size=1,
+                     layer_specs=TPPlanConverter.convert({"up": "colwise", "lm_head": "colwise_gather_output"}))
+    return (type(model.lm_head) is nn.Linear, model.lm_head.weight is model.embed.weight,
+            tuple(model.up.weight.shape), any("tied to 'embed.weight'" in str(w.message) for w in caught))
+
+
+def test_gathered_head_tied_to_the_embedding_stays_replicated():
+    assert run_distributed(_tied_head_stays_whole, world_size=2, timeout=60) == [(True, True, (4, 6), True)] * 2

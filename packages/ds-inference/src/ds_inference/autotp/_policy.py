@@ -10,6 +10,7 @@ LayerNorm, column-parallel otherwise; MoE routers and low-rank projections stay 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,11 +167,19 @@ def spec_placements(model: nn.Module, specs: Sequence[TPLayerSpec], model_type: 
                     output_head: nn.Module | None) -> dict[str, Placement]:
     """Placement of every linear whose ``<name>.weight`` matches a spec (first match wins)."""
     placements = {}
+    embedding_weights = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
         spec = next((s for s in specs if s.matches(f"{name}.weight", model_type)), None)
         if spec is None or spec.partition_type is PartitionType.SKIP:
+            continue
+        tied_to = embedding_weights.get(id(module.weight))
+        if spec.gather_output and tied_to is not None:
+            # a vocabulary-parallel embedding coupled to the sharded head is not built: sharding the head alone
+            # would untie it from the embedding, so both stay whole (as DeepSpeed does)
+            warnings.warn(f"AutoTP: '{name}.weight' is tied to '{tied_to}.weight'; both stay replicated (a "
+                          "gathered column split of a tied output head is not supported)", UserWarning, stacklevel=2)
             continue
         in_f, out_f = features(module)
         is_head = module is output_head
