@@ -290,6 +290,8 @@ class StageLink:
         key = tuple(shapes)
         frame = self._grad_frames.get(key)
         if frame is None:
+            if len(self._grad_frames) >= 64:  # dynamic shapes: keep the recent ones
+                self._grad_frames.clear()
             metas = [TensorMeta(dtype, shape, False) for dtype, shape in shapes]
             frame = self._grad_frames[key] = Frame.plan(metas, self._slices, self._split["gradients"])
         return frame
