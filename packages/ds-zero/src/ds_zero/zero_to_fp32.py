@@ -96,17 +96,26 @@ def _load_once(path: str, placeholders: list[tuple[type, str]]) -> Any:
         return torch.load(path, **kwargs)
 
 
+# Classes DeepSpeed's ZeRO files pickle (the loss scaler, the stage enum), read as placeholders from the first
+# attempt on; any other class a file turns out to need is added when found and kept for the next files. Each
+# refused attempt costs a whole weights-only unpickling (pure Python), so a rank file's retry doubled its read time.
+_PLACEHOLDERS: dict[str, tuple[type, str]] = {
+    name: (_Placeholder, name) for name in ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                                            "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                                            "deepspeed.runtime.zero.config.ZeroStageEnum")}
+_MAX_PLACEHOLDERS = 256
+
+
 def _load(path: str) -> Any:
     """``torch.load`` with mmap and weights_only; unknown pickled classes become inert placeholders."""
-    placeholders: dict[str, tuple[type, str]] = {}
     while True:
         try:
-            return _load_once(path, list(placeholders.values()))
+            return _load_once(path, list(_PLACEHOLDERS.values()))
         except pickle.UnpicklingError as exc:
             match = _BLOCKED_GLOBAL_RE.search(str(exc))
-            if match is None or match.group(1) in placeholders or len(placeholders) >= 256:
+            if match is None or match.group(1) in _PLACEHOLDERS or len(_PLACEHOLDERS) >= _MAX_PLACEHOLDERS:
                 raise ZeroToFp32Error(f"cannot read checkpoint file {path}: {exc}") from exc
-            placeholders[match.group(1)] = (_Placeholder, match.group(1))
+            _PLACEHOLDERS[match.group(1)] = (_Placeholder, match.group(1))
         except (OSError, RuntimeError, EOFError) as exc:
             raise ZeroToFp32Error(f"cannot read checkpoint file {path}: {type(exc).__name__}: {exc}") from exc
 
@@ -343,13 +352,30 @@ def _read_model_states(tag_dir: str, stage: int, world: int) -> list[tuple[str, 
         paths = [files[None]]
     else:
         raise ZeroToFp32Error(f"{tag_dir}: no mp_rank_00_model_states.pt file")
-    states = []
-    for path in paths:
-        state = _load(path)
-        if not isinstance(state, Mapping):
-            raise ZeroToFp32Error(f"{path}: expected a dict, found {type(state).__name__}")
-        states.append((path, state))
+    states = [(paths[0], _load_dict(paths[0]))]
+    # the other ranks' files add only frozen fragments (and the emptied-shape check below); unread without them
+    if len(paths) > 1 and _needs_rank_files(states[0][1]):
+        states += [(path, _load_dict(path)) for path in paths[1:]]
     return states
+
+
+def _load_dict(path: str) -> Mapping[str, Any]:
+    state = _load(path)
+    if not isinstance(state, Mapping):
+        raise ZeroToFp32Error(f"{path}: expected a dict, found {type(state).__name__}")
+    return state
+
+
+def _needs_rank_files(main: Mapping[str, Any]) -> bool:
+    """Whether the other stage-3 model-states files matter: frozen params, or a shape recorded with no elements."""
+    if main.get("frozen_param_shapes"):
+        return True
+    shapes = main.get("param_shapes")
+    groups = [shapes] if isinstance(shapes, Mapping) else shapes if isinstance(shapes, (list, tuple)) else []
+    try:
+        return any(math.prod(shape) == 0 for group in groups for shape in group.values())
+    except (AttributeError, TypeError):  # malformed: read them all, _param_groups names the problem
+        return True
 
 
 # ------------------------------------------------------------------------------------- reconstruction

@@ -14,6 +14,7 @@ import ctypes
 import os
 import secrets
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
@@ -129,20 +130,35 @@ def _mark(exc: BaseException, path: str) -> None:
             pass
 
 
+_FSYNC_WORKERS = 4
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
+_pool_lock = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The process's fsync threads, started once: a pool per save started 4-6 threads each time, and a new thread
+    waits to be scheduled (tens of ms on a loaded host). A forked child gets a pool of its own (the parent's threads
+    do not exist there)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(_FSYNC_WORKERS, thread_name_prefix="ds-ckpt-fsync")
+            _pool_pid = os.getpid()
+        return _pool
+
+
 class Syncer:
     """fsyncs in background threads (``fsync`` releases the GIL), so one file's flush to disk overlaps writing the
-    next one; :meth:`wait` returns once every submitted fsync is done and raises the first failure (naming its
-    file). Used as a context manager, it waits (and shuts its threads down) on exit."""
+    next one; :meth:`wait` returns once every fsync submitted through this syncer is done and raises the first
+    failure (naming its file). Used as a context manager, it waits on exit. The threads are the process's shared
+    :func:`_fsync_pool`; a syncer waits only for its own fsyncs."""
 
-    def __init__(self, workers: int = 4) -> None:
-        self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
+    def __init__(self) -> None:
         self._pending: list[tuple[Future, str]] = []
 
     def _submit(self, function: Callable[[], None], path: str) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ds-ckpt-fsync")
-        self._pending.append((self._pool.submit(function), path))
+        self._pending.append((_fsync_pool().submit(function), path))
 
     def fsync_file(self, handle: BinaryIO, path: str) -> None:
         """fsync ``handle``'s file (flushed by the caller) in the background; the caller may close ``handle``."""
@@ -174,16 +190,12 @@ class Syncer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            if exc[0] is None:
-                self.wait()
-            else:  # already failing: let the fsyncs finish, keep the first error
-                for future, _ in self._pending:
-                    future.exception()
-                self._pending = []
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+        if exc[0] is None:
+            self.wait()
+        else:  # already failing: let the fsyncs finish, keep the first error
+            for future, _ in self._pending:
+                future.exception()
+            self._pending = []
 
 
 def stage_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], syncer: Syncer | None = None) -> str:
