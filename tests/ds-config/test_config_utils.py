@@ -75,6 +75,14 @@ def test_deprecated_and_replacement_together_is_an_error():
             Example(old_value="3", new_value=1)
 
 
+def test_deprecated_and_replacement_together_is_also_deepspeeds_assertion_error():
+    # DeepSpeed asserts here, and its callers (its own unit tests among them) catch AssertionError
+    with pytest.raises(AssertionError, match="'old_size' and replacing parameter 'inner.size' together"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecatedConfigWarning)
+            Example(old_size=3, inner={"size": 2})
+
+
 def test_auto_means_the_default_and_unknown_keys_are_rejected():
     assert Example(new_value="auto").new_value == 0
     assert Example(strict=True, new_value="auto", inner={"size": "auto"}).inner.size == 1

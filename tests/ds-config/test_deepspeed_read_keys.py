@@ -132,7 +132,10 @@ def test_values_deepspeed_does_not_act_on_do_not_warn(config):
 def test_gradient_allreduce_op_is_case_insensitive_and_checked():
     assert load_config({**BASE, "gradient_allreduce_op": "SUM"}).gradient_allreduce_op == "sum"
     assert load_config(BASE).gradient_allreduce_op == "mean"
-    with pytest.raises(ConfigError, match="gradient_allreduce_op: must be 'mean' or 'sum' \\(got 'max'\\)"):
+    # DeepSpeed's wording (its callers match on "Invalid gradient_allreduce_op") after the key path
+    expected = (r"gradient_allreduce_op: Invalid gradient_allreduce_op\. "
+                r"Supported operations: \['mean', 'sum'\] \(got 'max'\)")
+    with pytest.raises(ConfigError, match=expected):
         load_config({**BASE, "gradient_allreduce_op": "max"})
 
 

@@ -207,10 +207,18 @@ class DeepSpeedConfig(DSConfigModel):
                 data = {**data, "zero_optimization": {"stage": 1, "allgather_bucket_size": data["allgather_size"]}}
         return data
 
-    @field_validator("gradient_allreduce_op", "log_level", mode="before")
+    @field_validator("log_level", mode="before")
     @classmethod
     def _case_insensitive(cls, value: Any) -> Any:
         return _lower(value)
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, value: Any) -> Any:
+        value = _lower(value)
+        if value not in ("mean", "sum"):  # DeepSpeed's wording, which its callers match on
+            raise ValueError("Invalid gradient_allreduce_op. Supported operations: ['mean', 'sum']")
+        return value
 
     @field_validator("vocabulary_size")
     @classmethod

@@ -71,11 +71,17 @@ class DeepSpeedConfigModel(DSConfigModel):
         *parents, leaf = new.split(".")
         target: BaseModel = reduce(getattr, parents, self)
         if leaf in target.model_fields_set:
-            raise ValueError(f"Cannot provide deprecated parameter '{name}' and replacing parameter '{new}' together")
+            raise DeprecatedParameterConflict(f"Cannot provide deprecated parameter '{name}' and replacing "
+                                              f"parameter '{new}' together")
         # the old field goes back to its default (its value has moved), then the new one is set and validated
         self.__dict__[name] = type(self).model_fields[name].get_default(call_default_factory=True)
         self.model_fields_set.discard(name)
         setattr(target, leaf, value)
+
+
+class DeprecatedParameterConflict(ValueError, AssertionError):
+    """A deprecated field and the field replacing it were both given. A ``ValueError`` like every config error
+    here, and also the ``AssertionError`` DeepSpeed's base class raises, which its callers catch."""
 
 
 def get_config_default(config: type[BaseModel] | BaseModel, field_name: str) -> Any:

@@ -31,6 +31,16 @@ class TensorBoardMonitor(Monitor):
     def __init__(self, tensorboard_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
         super().__init__(tensorboard_config, rank=rank)
 
+    @property
+    def output_path(self) -> str:
+        """Root folder of the files (DeepSpeed's attribute; the config's ``output_path``)."""
+        return self.monitor_config.output_path
+
+    @property
+    def job_name(self) -> str:
+        """Subfolder of ``output_path`` for this job (DeepSpeed's attribute; the config's ``job_name``)."""
+        return self.monitor_config.job_name
+
     log_dir: str | None = None
     """Directory of the event files (set on the writing rank)."""
 

@@ -26,6 +26,21 @@ class WandbMonitor(Monitor):
     def __init__(self, wandb_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
         super().__init__(wandb_config, rank=rank)
 
+    @property
+    def group(self) -> str | None:
+        """The W&B group runs are grouped under (DeepSpeed's attribute; the config's ``group``)."""
+        return self.monitor_config.group
+
+    @property
+    def team(self) -> str | None:
+        """The W&B entity (DeepSpeed's attribute; the config's ``team``)."""
+        return self.monitor_config.team
+
+    @property
+    def project(self) -> str:
+        """The W&B project (DeepSpeed's attribute; the config's ``project``)."""
+        return self.monitor_config.project
+
     run: Any = None
     """The ``wandb`` run (set on the writing rank)."""
 

@@ -20,7 +20,7 @@ from deepspeed.runtime.constants import *  # noqa: F403 -- DeepSpeed's module st
 from deepspeed.runtime.constants import FP16_INITIAL_SCALE_POWER_DEFAULT, FP16_LOSS_SCALE_DEFAULT, ValidationMode
 from ds_config import ConfigError as DeepSpeedConfigError  # noqa: F401 - the same class as deepspeed.DeepSpeedConfigError
 from ds_config import DeepSpeedConfig as TypedDeepSpeedConfig
-from ds_config import DeepSpeedMonitorConfig, load_config, read_source, torch_dtype_name
+from ds_config import DeepSpeedMonitorConfig, load_config, read_source, resolve_batch_sizes, torch_dtype_name
 from ds_config.config import *  # noqa: F403 -- ds_config.config's names stay reachable at this path
 from ds_config.config_utils import ScientificNotationEncoder, dict_raise_error_on_duplicate_keys
 
@@ -53,6 +53,12 @@ ADAM_W_MODE_DEFAULT = True
 """Adam/AdamW parameter: decoupled weight decay (AdamW), on unless turned off."""
 
 
+class BatchConfigError(DeepSpeedConfigError, AssertionError):
+    """Inconsistent batch sizes from ``DeepSpeedConfig._configure_train_batch_size``: a ``ConfigError`` (naming the
+    keys and the equation) that is also an ``AssertionError``, the type DeepSpeed's method raises and its callers
+    catch."""
+
+
 class DeepSpeedConfig:
     """DeepSpeed's config object: ``DeepSpeedConfig("ds_config.json")`` or ``DeepSpeedConfig(config_dict, mpu)``.
 
@@ -73,6 +79,17 @@ class DeepSpeedConfig:
     def _initialize_params(self, typed: TypedDeepSpeedConfig) -> None:
         for part in (_batch, _communication, _zero, _precision, _optimization, _logging, _checkpointing):
             self.__dict__.update(part(typed))
+
+    def _configure_train_batch_size(self) -> None:
+        """Re-derive the batch triple from the ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
+        ``gradient_accumulation_steps`` attributes as they are now (None: not given) for this data-parallel size,
+        as DeepSpeed's method does; raises ``BatchConfigError`` when they do not fit together."""
+        try:
+            sizes = resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                        self.gradient_accumulation_steps, world_size=self.world_size)
+        except DeepSpeedConfigError as exc:
+            raise BatchConfigError(exc.problems) from None
+        self.__dict__.update(sizes.as_dict())
 
     def print_user_config(self) -> None:
         """Log the config as the user gave it."""

@@ -46,7 +46,8 @@ from ds_pipe.schedule import _call_to_str
 __all__ = [
     "PartitionedTensor",
     "CheckOverflow", "DummyOptim", "align_dense_tensors", "bwc_pipeline_parallel_group",
-    "bwc_pipeline_parallel_world_size", "bwc_tensor_model_parallel_rank", "call_to_str", "clip_grad_norm_",
+    "bwc_pipeline_parallel_world_size", "bwc_tensor_model_parallel_rank", "call_to_str",
+    "check_internal_apis_for_count_used_parameters", "clip_grad_norm_", "count_used_parameters_in_backward",
     "clip_tensors_by_global_norm", "combine_grad_norm_groups", "copy_to_device", "empty_cache",
     "ensure_directory_exists", "filter_empty_parameters", "get_flattened_grad_norm", "get_global_norm",
     "get_global_norm_of_tensors", "get_grad_norm", "get_grad_zeros", "get_ma_status", "get_only_unique_item",
@@ -197,6 +198,42 @@ def get_tensor_bytes(item: Any) -> int:
 def maybe_loss_for_backward(value: Any) -> bool:
     """Whether ``value`` looks like a loss: a one-element tensor with a ``grad_fn``."""
     return isinstance(value, torch.Tensor) and value.numel() == 1 and value.grad_fn is not None
+
+
+# ---- the backward pass now running ---------------------------------------------------------------------------
+_GRAPH_TASK_APIS = ("_current_graph_task_id", "_will_engine_execute_node")
+
+
+def check_internal_apis_for_count_used_parameters() -> bool:
+    """Whether this torch has the autograd internals ``count_used_parameters_in_backward`` needs."""
+    return (hasattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc")
+            and all(hasattr(torch._C, name) for name in _GRAPH_TASK_APIS))
+
+
+def count_used_parameters_in_backward(parameters: Iterable[Any]) -> int:
+    """How many of ``parameters`` the backward pass now running will produce a gradient for.
+
+    Call it from inside a backward hook. Parameters that do not require a gradient, or that share their
+    gradient node with one already counted, count once or not at all. Unlike
+    ``torch.autograd.graph.register_multi_grad_hook`` it never looks at shapes, so ZeRO-3's empty partitions
+    are fine. Raises ``RuntimeError`` outside a backward pass or on a torch without the internals.
+    """
+    if not check_internal_apis_for_count_used_parameters():
+        raise RuntimeError(f"count_used_parameters_in_backward needs torch.autograd.graph._get_grad_fn_or_grad_acc "
+                           f"and torch._C.{'/'.join(_GRAPH_TASK_APIS)}, which torch {torch.__version__} lacks")
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward must be called while a backward pass runs "
+                           "(from a backward hook)")
+    nodes: dict[Any, None] = {}  # insertion-ordered set of gradient nodes
+    for param in parameters:
+        if not isinstance(param, torch.Tensor) or not param.requires_grad:
+            continue
+        # backward hooks run with grad mode off, and a leaf's accumulator lookup needs it on (torch <= 2.4)
+        with torch.enable_grad():
+            node = torch.autograd.graph._get_grad_fn_or_grad_acc(param)
+        if node is not None:
+            nodes[node] = None
+    return sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
 
 
 # ---- memory reports ------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_config import ActivationCheckpointingConfig
+from ds_config import ActivationCheckpointingConfig, load_config
 
 ACT_CHKPT = "activation_checkpointing"
 ACT_CHKPT_PARTITION_ACTIVATIONS = "partition_activations"
@@ -29,7 +29,8 @@ def activation_checkpointing_section(deepspeed_config: Any, mpu: Any = None) -> 
 
     Accepts the section itself, a typed ``ds_config.DeepSpeedConfig``, DeepSpeed's ``DeepSpeedConfig`` object, or
     what DeepSpeed's ``DeepSpeedConfig(config, mpu)`` accepts (a dict, a JSON path, JSON or base64 text), which is
-    validated as a whole (an unknown key is a ``ConfigError``).
+    validated as a whole (an unknown key is a ``ConfigError``); ``mpu`` is accepted for DeepSpeed's signature (the
+    batch sizes are not resolved, so the data-parallel size is not needed).
     """
     if isinstance(deepspeed_config, ActivationCheckpointingConfig):
         return deepspeed_config
@@ -37,7 +38,8 @@ def activation_checkpointing_section(deepspeed_config: Any, mpu: Any = None) -> 
     if section is None and not isinstance(deepspeed_config, (str, dict)):
         section = getattr(deepspeed_config, ACT_CHKPT, None)  # typed ds_config.DeepSpeedConfig
     if section is None:
-        from deepspeed.runtime.config import DeepSpeedConfig
-
-        section = DeepSpeedConfig(deepspeed_config, mpu=mpu).activation_checkpointing_config
+        # validated whole but not resolved against a world size: the section does not depend on it, and an
+        # engine's resolved ``config`` dict re-read with mpu=None would meet the whole world, not its data-parallel
+        # part (a pipeline or tensor-parallel run), and fail the batch arithmetic it has already passed
+        section = load_config(deepspeed_config).activation_checkpointing
     return section
