@@ -17,6 +17,7 @@ the call, the global step and what is known of each peer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from ds_pipe.p2p import LinkConfig, PipelineAbort, StageLink
 from ds_pipe.topology import PipelineParallelGrid
 
 _TRAIN_ONLY = "Only train_batch() is accessible in pipeline mode."
+_INLINE = 8  # values broadcast in the same message as their shape (_broadcast_from_last)
 
 
 def pipeline_mpu(module: PipelineModule, mpu: Any = None) -> PipelineParallelGrid:
@@ -415,17 +417,28 @@ class PipelineEngine(DeepSpeedEngine):
         if self.num_stages == 1:
             return value
         group, src = self.grid.get_pipe_parallel_group(), self.grid.stage_to_global(self.num_stages - 1)
-        header = torch.zeros(9, dtype=torch.int64, device=self.device)  # is-tensor, ndim, up to 7 dims
+        # one float64 packet: is-tensor, ndim, up to 7 dims, then the values when there are at most _INLINE of
+        # them (a loss: float32 values and small integers are exact in float64), else a second broadcast
+        packet = torch.zeros(9 + _INLINE, dtype=torch.float64, device=self.device)
+        data = None
         if self.is_last_stage() and isinstance(value, torch.Tensor) and value.dim() <= 7:
-            header[0], header[1] = 1, value.dim()
-            header[2:2 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-        dist.broadcast(header, src=src, group=group)
-        if not int(header[0]):
+            data = value.detach().float().to(self.device).contiguous()
+            packet[0], packet[1] = 1, value.dim()
+            packet[2:2 + value.dim()] = torch.tensor(value.shape, dtype=torch.float64)
+            if data.numel() <= _INLINE:
+                packet[9:9 + data.numel()] = data.reshape(-1)
+        dist.broadcast(packet, src=src, group=group)
+        if not int(packet[0]):
             return value
-        shape = tuple(int(v) for v in header[2:2 + int(header[1])])
-        data = (value.detach().float().to(self.device).contiguous() if self.is_last_stage()
-                else torch.empty(shape, dtype=torch.float32, device=self.device))
-        dist.broadcast(data, src=src, group=group)
+        shape = tuple(int(v) for v in packet[2:2 + int(packet[1])])
+        numel = math.prod(shape)
+        if data is not None and numel > _INLINE:
+            dist.broadcast(data, src=src, group=group)
+        elif numel > _INLINE:
+            data = torch.empty(shape, dtype=torch.float32, device=self.device)
+            dist.broadcast(data, src=src, group=group)
+        elif data is None:
+            data = packet[9:9 + numel].to(torch.float32).reshape(shape)
         return data
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
