@@ -59,3 +59,38 @@ def test_residual_add_forms(mlp_after_attn, pre_ln, add_bias):
     torch.testing.assert_close(out, expected)
     no_bias = ResidualAddOp(config)(hidden, residual, False, attn)
     torch.testing.assert_close(no_bias, (residual + attn) / mp + hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_gate_and_moe_mix_ops(dtype):
+    from ds_ops.transformer.inference.op_binding import (
+        GatedActivationOp,
+        LayerNormOp,
+        MoEResMatmulOp,
+        PreRMSNormOp,
+        RMSNormOp,
+    )
+
+    torch.manual_seed(2)
+    x, res = torch.randn(2, 3, 8, dtype=dtype), torch.randn(2, 3, 8, dtype=dtype)
+    gamma, beta, bias = torch.rand(8, dtype=dtype) + 0.5, torch.randn(8, dtype=dtype), torch.randn(8, dtype=dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    ln = torch.nn.functional.layer_norm(x.float(), (8,), gamma.float(), beta.float(), 1e-5)
+    torch.testing.assert_close(LayerNormOp()(x, gamma, beta, 1e-5), ln.to(dtype), **tol)
+    summed = x.float() + bias.float() + res.float()
+    normed, pre = LayerNormOp.layer_norm_residual_store_pre_ln_res(x, bias, res, gamma, beta, 1e-5)
+    torch.testing.assert_close(pre, summed.to(dtype), **tol)
+    torch.testing.assert_close(normed, LayerNormOp.layer_norm_residual(x, bias, res, gamma, beta, 1e-5))
+    rms = gamma.float() * x.float() / (x.float().square().mean(-1, keepdim=True) + 1e-6).sqrt()
+    torch.testing.assert_close(RMSNormOp()(x, gamma, 1e-6).float(), rms, **tol)
+    out, new_res = PreRMSNormOp()(x, res, gamma, 1e-6)
+    torch.testing.assert_close(new_res, (x.float() + res.float()).to(dtype), **tol)
+    torch.testing.assert_close(out, RMSNormOp()(x.float() + res.float(), gamma, 1e-6), **tol)
+    gated = GatedActivationOp()(torch.cat([x, res], -1), torch.cat([bias, bias]), ActivationFuncType.GATED_SILU)
+    expected = (x + bias) * torch.nn.functional.silu((res + bias).float()).to(dtype)
+    torch.testing.assert_close(gated, expected, **tol)
+    with pytest.raises(ValueError, match="not a gated activation"):
+        GatedActivationOp()(x, bias, ActivationFuncType.GELU)
+    to_res, to_out = torch.randn(1, 1, 8, dtype=dtype), torch.randn(1, 1, 8, dtype=dtype)
+    coef = torch.cat([to_res, to_out], dim=-1).transpose(-1, -2)  # [1, 16, 1], the kernel's layout
+    torch.testing.assert_close(MoEResMatmulOp()(res, coef, x), res * to_res + x * to_out, **tol)

@@ -17,3 +17,10 @@ class BaseOp(torch.nn.Module):
     def __init__(self, config: DeepSpeedInferenceConfig) -> None:
         super().__init__()
         self.config = config
+
+
+class DefaultConfigOp(BaseOp):
+    """An op whose config is optional (DeepSpeed builds these with the default ``DeepSpeedInferenceConfig``)."""
+
+    def __init__(self, config: DeepSpeedInferenceConfig | None = None) -> None:
+        super().__init__(config if config is not None else DeepSpeedInferenceConfig())

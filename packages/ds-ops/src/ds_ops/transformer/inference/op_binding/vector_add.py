@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DeepSpeedInferenceConfig
-from .base import BaseOp
+from .base import DefaultConfigOp
 
 
-class VectorAddOp(BaseOp):
-    def __init__(self, config: DeepSpeedInferenceConfig | None = None) -> None:
-        super().__init__(config if config is not None else DeepSpeedInferenceConfig())
-
+class VectorAddOp(DefaultConfigOp):
     @staticmethod
     def vector_add_func(a: torch.Tensor, b: torch.Tensor, gamma: float) -> torch.Tensor:
         return (gamma * a.float() + b.float()).to(a.dtype)
