@@ -1,7 +1,10 @@
 """Checkpoint behaviours DeepSpeed's own unit tests (``tests/unit/checkpoint``) rely on, each checked here in a
-few seconds: the engine's ``sparse_tensor_module_names`` (saved, restored strictly, merged when not strict)."""
+few seconds: the engine's ``sparse_tensor_module_names`` (saved, restored strictly, merged when not strict), the
+checkpoint-name methods, ``PipelineEngine.set_dataloader``, and the ZeRO internals under DeepSpeed's names."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from _harness import run_distributed
@@ -142,3 +145,77 @@ def _set_dataloader_body() -> list:
 def test_pipeline_set_dataloader_feeds_train_batch():
     for from_loader, from_iterator in run_distributed(_set_dataloader_body, world_size=2, timeout=120):
         assert from_loader == from_iterator
+
+
+def _zero_names_body(save_dir: str) -> dict:
+    """DeepSpeed's attribute and method names on the ZeRO optimizers and the engine that its checkpoint tests and
+    universal-checkpoint tools read."""
+    import deepspeed
+
+    out = {}
+    for stage in (0, 1, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": stage, "sub_group_size": 10}}
+        engine = deepspeed.initialize(model=model, config=config)[0]
+        engine.backward(engine(torch.randn(1, 4)).sum())
+        engine.step()
+        opt = engine.optimizer
+        if stage == 0:
+            out[0] = {"is_torch_optimizer": isinstance(opt, torch.optim.Optimizer)}
+            continue
+        shapes = engine._get_zero_param_shapes()
+        row = {"shapes": [{k: tuple(v) for k, v in group.items()} for group in shapes]}
+        if stage == 1:
+            row["fp32"] = [t.numel() for t in opt.single_partition_of_fp32_groups]
+        else:
+            before = opt.optimizer.state_dict()
+            opt._set_fp32_optimizer_param_groups()
+            sd = opt.optimizer.state_dict()
+            opt._clear_fp32_optimizer_param_groups()
+            row["fp32"] = [t.numel() for t in opt.fp32_partitioned_groups_flat]
+            row["state_numels"] = [sd["state"][i]["exp_avg"].numel() for i in sorted(sd["state"])]
+            row["same_state"] = sorted(before["state"]) == sorted(sd["state"])
+            engine.backward(engine(torch.randn(1, 4)).sum())  # training goes on after the set/clear pair
+            engine.step()
+            row["steps"] = engine.global_steps
+        engine.save_checkpoint(save_dir, tag=f"s{stage}")
+        row["script_mode"] = os.stat(os.path.join(save_dir, "zero_to_fp32.py")).st_mode
+        out[stage] = row
+    return out
+
+
+def test_zero_internals_under_deepspeed_names(tmp_path):
+    import stat
+
+    out = run_distributed(_zero_names_body, world_size=1, args=(str(tmp_path),), timeout=180)[0]
+    assert out[0]["is_torch_optimizer"] is True  # fp32 ZeRO-0: DeepSpeed hands back the torch optimizer itself
+    assert out[1]["shapes"] == [{"0.weight": (3, 4), "0.bias": (3,), "1.weight": (2, 3), "1.bias": (2,)}]
+    assert out[1]["fp32"] == [24]  # the 23 elements, padded to the partition alignment (2) as DeepSpeed does
+    # sub_group_size 10: a sub-group closes once it reaches 10 elements (DeepSpeed's rule); one flat master and
+    # Adam state each
+    assert out[3]["shapes"] == [{"0.weight": (3, 4)}, {"0.bias": (3,), "1.weight": (2, 3), "1.bias": (2,)}]
+    assert out[3]["fp32"] == out[3]["state_numels"] == [12, 11]
+    assert out[3]["same_state"] and out[3]["steps"] == 2
+    assert out[1]["script_mode"] & stat.S_IEXEC and out[3]["script_mode"] & stat.S_IEXEC
+
+
+def test_recovery_script_permission_failure_is_logged(monkeypatch):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    logged = []
+    monkeypatch.setattr("deepspeed.utils.logger.info", lambda message, *a, **k: logged.append(message))
+    DeepSpeedEngine._change_recovery_script_permissions(None, os.path.join("no-such-dir", "zero_to_fp32.py"))
+    assert logged and "Could not change permissions" in logged[0]
+
+
+def test_zero3_elastic_checkpoint_is_deprecated_on_deepspeeds_logger(monkeypatch):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    said = []
+    monkeypatch.setattr("deepspeed.utils.logger.warning", lambda message, *a, **k: said.append(message))
+    DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+    assert said == []
+    DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert len(said) == 1 and "elastic checkpointing is deprecated" in said[0].lower()

@@ -10,6 +10,7 @@ offload_param, NVMe optimizer offload, ``ratio``, ``super_offload`` and MiCS onl
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from enum import IntEnum
@@ -335,6 +336,13 @@ class DeepSpeedZeroConfig(SectionModel):
                                   (self.cpu_offload, self.offload_optimizer)):
                 if flag and section is not None and not section.pin_memory:
                     section.pin_memory = True
+        return self
+
+    @model_validator(mode="after")
+    def _elastic_checkpoint_zero3(self) -> DeepSpeedZeroConfig:
+        if int(self.stage) == 3 and self.elastic_checkpoint:  # on DeepSpeed's logger, as DeepSpeed says it
+            logging.getLogger("DeepSpeed").warning("ZeRO-3 elastic checkpointing is deprecated and no longer "
+                                                   "supported. Use Universal Checkpointing instead.")
         return self
 
     @property

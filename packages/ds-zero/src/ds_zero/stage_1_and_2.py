@@ -168,6 +168,11 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
 
     # ---- the engine's view ----------------------------------------------------------------------------------
     @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """DeepSpeed's name for this rank's fp32 master partition of each parameter group."""
+        return [fg.master for fg in self.groups]
+
+    @property
     def partition_gradients(self) -> bool:
         return self.settings.stage >= 2
 

@@ -538,6 +538,26 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                 g.sync_master_from_lp()
 
     # ---- checkpoint state (DeepSpeed's stage 3 optimizer state dict) ----------------------------------------
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """DeepSpeed's name for each sub-group's flat fp32 master partition."""
+        return [g.master for g in self.groups]
+
+    def _set_fp32_optimizer_param_groups(self) -> None:
+        """DeepSpeed puts the sub-groups' fp32 masters into the torch optimizer's parameter groups around a step
+        or a read of its ``state_dict()`` (its tests and tools call this first); here they stay there from
+        construction on, so this only re-establishes that."""
+        masters: dict[int, list[torch.nn.Parameter]] = {i: [] for i in range(len(self.optimizer.param_groups))}
+        owner = {id(m): i for i, pg in enumerate(self.optimizer.param_groups) for m in pg["params"]}
+        for g in self.groups:
+            masters[owner.get(id(g.master), 0)].append(g.master)
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["params"] = masters[i]
+
+    def _clear_fp32_optimizer_param_groups(self) -> None:
+        """DeepSpeed empties the parameter groups again after the step or read; this step reads the masters from
+        them, so they stay (the torch optimizer's ``state_dict()`` is the same either way)."""
+
     def state_dict(self) -> dict[str, Any]:
         from ds_zero.zero3.checkpoint import stage3_state_dict
 

@@ -412,6 +412,9 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
             checkpointing.save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                           save_latest=save_latest,
                                           exclude_frozen_parameters=exclude_frozen_parameters)
+        script = os.path.join(save_dir, "zero_to_fp32.py")  # ZeRO's recovery script, executable as in DeepSpeed
+        if self.zero_optimization_stage() > 0 and self.global_rank == 0 and os.path.isfile(script):
+            self._change_recovery_script_permissions(script)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,

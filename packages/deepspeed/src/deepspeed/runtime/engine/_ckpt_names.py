@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 from typing import Any
 
 import torch.distributed as dist
 
 from deepspeed.runtime.checkpointing.layout import model_states_name
+from deepspeed.utils.logging import logger
 
 
 class CheckpointNameMethods:
@@ -39,6 +41,26 @@ class CheckpointNameMethods:
         """The optimizer file of expert-parallel rank ``expp_rank`` (MoE without ZeRO)."""
         name = f"expp_rank_{expp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
         return os.path.join(checkpoints_path, str(tag), name)
+
+    def _get_zero_param_shapes(self) -> list[dict[str, Any]]:
+        """``[{name: shape}]`` per ZeRO parameter group (ZeRO-3: per sub-group) in the order of the flat
+        partitions, as the ZeRO extension records it in the model-states file (``param_shapes``)."""
+        for shard in getattr(self, "checkpoint_shards", ()):
+            extras = getattr(shard, "model_state_extras", None)
+            shapes = extras().get("param_shapes") if extras is not None else None
+            if shapes is not None:
+                return shapes
+        raise RuntimeError("engine._get_zero_param_shapes: no ZeRO optimizer (zero_optimization.stage 1-3) records "
+                           f"flat partitions here (stage {self.zero_optimization_stage()})")  # type: ignore[attr-defined]
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """Make the ``zero_to_fp32.py`` copied beside a ZeRO checkpoint executable; where the file system refuses
+        (file shares) or the file is gone, say so and go on."""
+        try:
+            os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
+        except (FileNotFoundError, PermissionError) as e:
+            logger.info(f"Warning: Could not change permissions for {dst} due to error: {e}. Continuing without "
+                        "changing permissions.")
 
     @staticmethod
     def _get_expert_ckpt_name(checkpoints_path: str, layer_id: int, expert_id: int, tag: Any, mpu: Any = None,

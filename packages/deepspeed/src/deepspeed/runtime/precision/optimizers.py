@@ -57,8 +57,12 @@ def _summed_square(local_norm: float, group: Any) -> float:
     return float(square)
 
 
-class FP32Optimizer(LossScaledWrapper):
-    """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping."""
+class FP32Optimizer(LossScaledWrapper, torch.optim.Optimizer):
+    """Updates the model's parameters in place with ``optimizer``; optional loss scaling and clipping.
+
+    A ``torch.optim.Optimizer`` by type (not by construction: everything is the wrapped optimizer's), because
+    DeepSpeed's fp32 ZeRO-0 ``engine.optimizer`` *is* the client's torch optimizer and clients test for that
+    (``isinstance(engine.optimizer, torch.optim.Optimizer)``, torch's LR schedulers)."""
 
     grads_in_params = True
     """Gradients live in ``param.grad`` (the reducer may point them at its buckets, see ``runtime.grad_reduce``)."""
