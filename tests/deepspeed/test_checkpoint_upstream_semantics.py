@@ -219,3 +219,46 @@ def test_zero3_elastic_checkpoint_is_deprecated_on_deepspeeds_logger(monkeypatch
     assert said == []
     DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
     assert len(said) == 1 and "elastic checkpointing is deprecated" in said[0].lower()
+
+
+def _zero3_universal_body(save_dir: str) -> dict:
+    """ZeRO-3 with parameters small enough to stay whole on every rank (persistent): a universal checkpoint loads
+    into them too, not only into the partitions."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.05}},
+              "zero_optimization": {"stage": 3}}
+
+    def engine(extra: dict):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+        return deepspeed.initialize(model=model, config={**config, **extra}, model_parameters=model.parameters())[0]
+
+    trained = engine({})
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        trained.backward(trained(torch.randn(2, 6, generator=gen)).sum())
+        trained.step()
+    trained.save_checkpoint(save_dir, tag="t", client_state={"universal_checkpoint_info": {}})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        convert(SimpleNamespace(input_folder=f"{save_dir}/t", output_folder=f"{save_dir}/t_universal",
+                                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                inject_missing_state=False))
+    dist.barrier()
+    loaded = engine({"checkpoint": {"load_universal": True}})
+    loaded.load_checkpoint(save_dir, tag="t_universal")
+    before, after = trained.state_dict(), loaded.state_dict()
+    return {"persistent": all(getattr(p, "ds_persist", False) for p in loaded.module.parameters()),
+            "equal": {k: bool(torch.equal(before[k], after[k])) for k in before}}
+
+
+def test_zero3_universal_load_refreshes_persistent_parameters(tmp_path):
+    for out in run_distributed(_zero3_universal_body, world_size=2, args=(str(tmp_path),), timeout=240):
+        assert out["persistent"]
+        assert out["equal"] == {k: True for k in out["equal"]} and len(out["equal"]) == 4

@@ -151,6 +151,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
                     group.master.data.copy_(master)
                     _zero_padding(group)
                     group.copy_master_to_lp()
+            opt.partitions_changed()  # whole copies (persistent small parameters) still hold the old values
 
         return apply
 
