@@ -84,3 +84,21 @@ def test_engine_estimates_at_every_resolution_th_boundary():
     assert names == ["Train/Eigenvalues/ModelBlockParam_0", "Train/Eigenvalues/ModelBlockParam_1"] * 2
     assert [s for name, _, s in events if name.endswith("_0")] == [10, 30]  # global_samples at the estimate
     assert not [e for e in plain_events if e[0].startswith("Train/Eigenvalues/")]
+
+
+def _with_zero() -> str:
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 1},
+              "eigenvalue": {"enabled": True, "layer_name": "layers", "layer_num": 2}}
+    try:
+        deepspeed.initialize(model=_TwoBlocks(), config=config)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_zero_stages_are_refused_naming_the_key():
+    message = run_distributed(_with_zero, world_size=1, timeout=60)[0]
+    assert "eigenvalue.enabled" in message and "zero_optimization.stage is 1" in message

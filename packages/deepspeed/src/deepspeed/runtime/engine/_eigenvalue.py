@@ -3,8 +3,10 @@
 the optimizer step, the Hessian eigenvalue of each block is estimated (``deepspeed.runtime.eigenvalue``), kept in
 ``engine.block_eigenvalue`` and written to the monitors as ``Train/Eigenvalues/ModelBlockParam_{i}``.
 
-DeepSpeed 0.19.6 computes them only for MoQ (``quantize_training``, whose quantizer it has disabled), so there
-the section crashes at the first boundary; here the estimate runs and is reported (docs/deviations.md).
+The estimate needs the gradients on the parameters: with ZeRO (stage >= 1) the section is refused at
+``initialize``. DeepSpeed 0.19.6 computes them only for MoQ (``quantize_training``, whose quantizer it has
+disabled), so there the section crashes at the first boundary; here the estimate runs and is reported
+(docs/deviations.md).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepspeed.runtime.eigenvalue import Eigenvalue, eigenvalue_summary_events
+from ds_config import ConfigError, ConfigProblem
 
 
 def attach(engine: Any, config: Any) -> None:
@@ -20,6 +23,12 @@ def attach(engine: Any, config: Any) -> None:
     engine.eigenvalue = None
     engine.block_eigenvalue = None
     engine.gas_boundary_ctr = 0
+    if section.enabled and config.zero_stage > 0:
+        # ZeRO moves the gradients into its partitions (stage 1 accumulates them with out= additions, which
+        # autograd refuses on a graph-carrying gradient); the power iteration needs them on the parameters.
+        raise ConfigError(ConfigProblem("eigenvalue.enabled", "needs ZeRO stage 0 (the Hessian-vector products "
+                                        "differentiate the gradients held on the parameters); zero_optimization."
+                                        f"stage is {config.zero_stage}", True))
     if section.enabled:
         engine.eigenvalue = Eigenvalue(verbose=section.verbose, max_iter=section.max_iter, tol=section.tol,
                                        stability=section.stability,
