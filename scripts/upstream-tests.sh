@@ -12,6 +12,7 @@
 #   -o DIR        results folder (default: a new temporary folder); re-running into it resumes (-r) or overwrites
 #   -r            resume: skip files that already have a result in DIR
 #   -m FILE       also write the table as markdown to FILE
+#   -k EXPR       only the tests pytest's -k EXPR selects, in every file (a sample of a big parametrized file)
 # DeepSpeed's tests import a few packages themselves (py-cpuinfo, hjson: DeepSpeed's own dependencies; mup): they
 # are installed once with that python's pip into .venvs/upstream-test-extras-<python>, put on PYTHONPATH for the
 # run only, so the project's environments stay as hatch.toml declares them.
@@ -23,12 +24,12 @@
 # deepspeed/. A preflight check prints which `deepspeed` the interpreter imports from there.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="" list="" per_file=600 out="" resume=0 markdown=""
-while getopts "p:f:t:o:rm:h" opt; do
+python="" list="" per_file=600 out="" resume=0 markdown="" select=""
+while getopts "p:f:t:o:rm:k:h" opt; do
   case "$opt" in
     p) python="$OPTARG" ;; f) list="$OPTARG" ;; t) per_file="$OPTARG" ;; o) out="$OPTARG" ;;
-    r) resume=1 ;; m) markdown="$OPTARG" ;;
-    *) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 2 ;;
+    r) resume=1 ;; m) markdown="$OPTARG" ;; k) select="$OPTARG" ;;
+    *) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -104,7 +105,7 @@ esac
   echo "DeepSpeed tests: $checkout ($(git -C "$checkout" describe --tags --always 2>/dev/null || echo unknown))"
   echo "python: $python; torch $("$python" -c 'import torch; print(torch.__version__)'); $(nproc) cores; $(date -u +%F)"
   echo "pytest: $("$python" -m pytest --version 2>&1 | head -1) ($("$python" -c 'import pytest; print(pytest.__file__)'))"
-  echo "env: DS_ACCELERATOR=$DS_ACCELERATOR LOCAL_SIZE=$LOCAL_SIZE DS_UNITTEST_TIMEOUT=$DS_UNITTEST_TIMEOUT; per-file limit ${per_file}s"
+  echo "env: DS_ACCELERATOR=$DS_ACCELERATOR LOCAL_SIZE=$LOCAL_SIZE DS_UNITTEST_TIMEOUT=$DS_UNITTEST_TIMEOUT; per-file limit ${per_file}s${select:+; -k '$select'}"
 } | tee "$out/run-info.txt"
 
 for f in "${files[@]}"; do
@@ -115,7 +116,7 @@ for f in "${files[@]}"; do
   rc=0
   # timeout (without --foreground) puts pytest in its own process group and signals the whole group, so the
   # ranks DeepSpeed's DistributedTest spawned die with it.
-  UPSTREAM_TESTS_EVENTS="$stem.events" timeout -k 15 "$per_file" "$python" -m pytest "unit/$f" \
+  UPSTREAM_TESTS_EVENTS="$stem.events" timeout -k 15 "$per_file" "$python" -m pytest "unit/$f" ${select:+-k "$select"} \
     -p upstream_tests -p no:cacheprovider -o console_output_style=classic --color=no -q -rN \
     >"$stem.log" 2>&1 || rc=$?
   seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
