@@ -6,6 +6,8 @@ the feature, so it cannot be run for them).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -129,6 +131,24 @@ def test_resolves_through_the_config():
     cfg = load_config({"elasticity": {"enabled": True, "ignore_non_elastic_batch_info": True},
                        "train_batch_size": 8}, world_size=8)
     assert cfg.train_batch_size == 1680
+
+
+def test_batch_keys_beside_elastic_training_raise_deepspeeds_error_type():
+    with pytest.raises(ElasticityConfigError, match="train_batch_size: elastic training is enabled") as err:
+        load_config({"elasticity": {"enabled": True}, "train_batch_size": 8})
+    assert err.value.paths == ["train_batch_size"]
+    with pytest.raises(ConfigError) as mixed:  # with an unrelated problem, the plain ConfigError listing both
+        load_config({"elasticity": {"enabled": True}, "train_batch_size": 8, "fp16": {"enabled": 3}})
+    assert not isinstance(mixed.value, ElasticityError) and len(mixed.value.problems) == 2
+
+
+def test_resolving_checks_the_resource_schedulers_elastic_config(monkeypatch):
+    section = {"enabled": True, "max_train_batch_size": 27, "micro_batch_sizes": [1, 2, 3, 4], "version": 0.1}
+    monkeypatch.setenv("DEEPSPEED_ELASTICITY_CONFIG", json.dumps(section))
+    assert load_config({"elasticity": section}, world_size=2).train_batch_size == 24
+    monkeypatch.setenv("DEEPSPEED_ELASTICITY_CONFIG", json.dumps({**section, "max_train_batch_size": 4}))
+    with pytest.raises(ElasticityConfigError, match="seen by resource scheduler does not match"):
+        load_config({"elasticity": section}, world_size=2)
 
 
 @settings(max_examples=60, deadline=None)

@@ -224,7 +224,7 @@ def validate_section(cls: type[M], data: Any, *, strict: bool = True, path: str 
             error = config_error_from(exc, data, path)
             unknown = [e for e in exc.errors() if e["type"] in ("unknown_key", "extra_forbidden")]
             if not unknown or len(unknown) != len(exc.errors()):
-                raise ConfigError(problems + error.problems) from None
+                raise (type(error) if not problems else ConfigError)(problems + error.problems) from None
             if strict:
                 problems += error.problems
             data = _drop_unknown(data, unknown, path, warn=not strict)
@@ -265,6 +265,7 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
     """Turn pydantic's errors into ``ConfigError`` problems keyed by the path as the user wrote it."""
     merged: dict[str, list[str]] = {}
     values: dict[str, Any] = {}
+    kinds: set[type[ConfigError]] = set()  # the classes of the checks' own errors (ElasticityConfigError, ...)
     for err in exc.errors():
         loc = _clean_loc(err["loc"], data)
         if err["type"] == "missing" and err["loc"] and isinstance(err["loc"][-1], str):
@@ -280,11 +281,13 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
             continue
         nested = (err.get("ctx") or {}).get("error")
         if isinstance(nested, ConfigError):  # a cross-field check that already names its key paths
+            kinds.add(type(nested))
             for prob in nested.problems:
                 merged.setdefault(join_path(path, *loc, prob.path), []).append(prob.message)
                 if prob.value is not _NO_VALUE:
                     values.setdefault(join_path(path, *loc, prob.path), prob.value)
             continue
+        kinds.add(ConfigError)
         p = join_path(path, *loc)
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         if err["type"] == "extra_forbidden":  # a section that skipped the screening: same wording
@@ -297,7 +300,8 @@ def config_error_from(exc: ValidationError, data: Any, path: str = "") -> Config
             values.setdefault(p, err.get("input"))
     problems = [ConfigProblem(p, _readable(msgs), *([values[p]] if p in values else []))
                 for p, msgs in merged.items()]
-    return ConfigError(problems)
+    # one kind of error keeps its class, so callers can catch the subclass DeepSpeed raises there
+    return (kinds.pop() if len(kinds) == 1 else ConfigError)(problems)
 
 
 _SHOULD_BE = "Input should be "

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ds_config._errors import ConfigError, ConfigProblem
+from ds_config.elasticity import ElasticityConfigError
 
 if TYPE_CHECKING:
     from ds_config.config import DeepSpeedConfig
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_ELASTIC_BATCH = "elastic training is enabled"
 
 
 def _precision(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
@@ -70,7 +72,7 @@ def _elasticity(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
     if not cfg.elasticity.enabled or cfg.elasticity.ignore_non_elastic_batch_info:
         return []
     given = [k for k in BATCH_KEYS if k in cfg.model_fields_set]
-    return [ConfigProblem(k, "elastic training is enabled, so batch sizes come from the elasticity section; "
+    return [ConfigProblem(k, f"{_ELASTIC_BATCH}, so batch sizes come from the elasticity section; "
                              "remove this key or set elasticity.ignore_non_elastic_batch_info") for k in given]
 
 
@@ -102,5 +104,7 @@ def find_problems(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
 def check_compatibility(cfg: DeepSpeedConfig) -> None:
     """Raise ``ConfigError`` listing every cross-section problem of ``cfg``."""
     problems = find_problems(cfg)
+    if problems and all(p.message.startswith(_ELASTIC_BATCH) for p in problems):
+        raise ElasticityConfigError(problems)  # DeepSpeed's error type for batch keys beside elastic training
     if problems:
         raise ConfigError(problems)

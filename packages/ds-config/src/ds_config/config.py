@@ -36,7 +36,7 @@ from ds_config.comm import CommsLoggerConfig
 from ds_config.compile import CompileConfig
 from ds_config.compression import CompressionConfig
 from ds_config.data_efficiency import CurriculumLearningConfig, DataEfficiencyConfig
-from ds_config.elastic import elastic_batch_sizes
+from ds_config.elastic import elastic_batch_sizes, ensure_immutable_elastic_config
 from ds_config.elasticity import ElasticityConfig
 from ds_config.flops_profiler import FlopsProfilerConfig
 from ds_config.inference import WeightQuantConfig
@@ -313,6 +313,7 @@ class DeepSpeedConfig(DSConfigModel):
         """Derive and store the three batch keys for ``world_size`` data-parallel ranks (``batch.py``, or
         ``elastic.py`` when elasticity is enabled)."""
         if self.elasticity.enabled:  # elastic training owns the batch keys
+            ensure_immutable_elastic_config(self.elasticity.model_dump())  # the scheduler planned with the same
             sizes = elastic_batch_sizes(self.elasticity, world_size)
         else:
             sizes = resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
@@ -377,7 +378,9 @@ def load_config(source: Any, *, world_size: int | None = None, strict: bool = Tr
         try:
             config = validate_section(DeepSpeedConfig, data, strict=strict)
         except ConfigError as exc:
-            raise ConfigError(exc.problems + _hidden_problems(data, exc.paths, world_size)) from None
+            hidden = _hidden_problems(data, exc.paths, world_size)
+            # an error of one kind (ElasticityConfigError, ...) keeps its class when nothing is added to it
+            raise (ConfigError if hidden else type(exc))(exc.problems + hidden) from None
     if world_size is not None:
         config.resolve_batch(world_size)
     return config
