@@ -15,8 +15,9 @@ import torch
 
 from ds_zero.zero3.schedule import ParamScheduler
 from ds_zero.zero3.schedule import _ZeroParamDict as ZeROOrderedDict  # DeepSpeed's name for a module's _parameters
+from ds_zero.zero3.schedule import ensure_param_table as ensure_zero_ordered_dict
 
-__all__ = ["DeepSpeedZeRoOffload", "PartitionedParameterCoordinator", "ZeROOrderedDict"]
+__all__ = ["DeepSpeedZeRoOffload", "PartitionedParameterCoordinator", "ZeROOrderedDict", "ensure_zero_ordered_dict"]
 
 
 class PartitionedParameterCoordinator:

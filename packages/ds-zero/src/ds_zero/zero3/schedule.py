@@ -21,7 +21,7 @@ import itertools
 import logging
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,10 @@ class _ZeroParamDict(dict):
 
     scheduler_ref: Any = None
 
+    def __init__(self, parent_module: Any = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # DeepSpeed's ZeROOrderedDict(parent_module, ...) signature
+        self._parent_module = parent_module
+
     def __getitem__(self, key: str) -> Any:
         param = super().__getitem__(key)
         if param is not None and hasattr(param, "ds_status"):
@@ -158,6 +162,19 @@ class _ZeroParamDict(dict):
             if scheduler is not None and scheduler.active:
                 scheduler.adopt_external(param)
         return param
+
+
+def ensure_param_table(module: Any, keep_original: bool = True) -> None:
+    """Make ``module._parameters`` a :class:`_ZeroParamDict` (DeepSpeed's ``ensure_zero_ordered_dict``): a plain
+    dict is copied into one, the first container kept as ``module._original_parameters`` when ``keep_original``
+    (the scheduler does not keep it: it would hold parameters replaced later); a table already converted, a
+    missing one or a non-dict container is left alone."""
+    params = getattr(module, "_parameters", None)
+    if isinstance(params, _ZeroParamDict) or not isinstance(params, dict):
+        return
+    if keep_original and "_original_parameters" not in getattr(module, "__dict__", {}):
+        module._original_parameters = params
+    module._parameters = _ZeroParamDict(module, params)
 
 
 def _external_parameters(module: torch.nn.Module) -> list[tuple[int, torch.nn.Parameter]]:
@@ -249,11 +266,12 @@ class ParamScheduler:
         gather_now(self.persistent)
 
     def _install(self) -> None:
+        self._adopt_tables(self.root.modules())
+
+    def _adopt_tables(self, modules: Iterable[torch.nn.Module]) -> None:
         ref = weakref.ref(self)
-        for module in self.root.modules():
-            if not isinstance(module._parameters, _ZeroParamDict):
-                table = _ZeroParamDict(module._parameters)
-                module._parameters = table
+        for module in modules:
+            ensure_param_table(module, keep_original=False)
             module._parameters.scheduler_ref = ref
             if "ds_external_parameters" not in module.__dict__:  # DeepSpeed's method on every ZeRO-3 module
                 module.ds_external_parameters = types.MethodType(_external_parameters, module)
@@ -334,6 +352,11 @@ class ParamScheduler:
     def _pre_forward(self, unit: GatherUnit, args: tuple, kwargs: dict) -> Any:
         if not self.in_pass:
             self.in_pass = True
+            # submodules attached after the hooks were installed get a parameter table too (as DeepSpeed's
+            # forward prologue converts them), so reads of partitioned parameters from them are seen
+            late = [m for m in self.root.modules() if not isinstance(m._parameters, _ZeroParamDict)]
+            if late:
+                self._adopt_tables(late)
         self.stack.append(unit)
         self.fetch(unit)
         if not torch.is_grad_enabled():
