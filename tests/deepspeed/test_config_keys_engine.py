@@ -73,7 +73,7 @@ def test_gradient_allreduce_op_sum_adds_the_ranks_gradients(stage):
             torch.testing.assert_close(moved, -0.1 * scale * summed, rtol=1e-5, atol=1e-6, msg=f"{op} {name}")
 
 
-def _pipeline_checkpoint_function(use_reentrant: bool | None) -> str:
+def _pipeline_checkpoint_function(use_reentrant: bool | None) -> tuple[str, bool, bool]:
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -82,14 +82,16 @@ def _pipeline_checkpoint_function(use_reentrant: bool | None) -> str:
     if use_reentrant is not None:
         pipeline["use_reentrant"] = use_reentrant
     engine, *_ = deepspeed.initialize(model=module, config=_base(pipeline=pipeline, gradient_accumulation_steps=2))
-    return engine.module.activation_checkpoint_func.__name__
+    reentrant = engine._reentrant_activation_checkpointing()  # DeepSpeed's query, read from the module
+    engine.module.set_checkpoint_interval(0)
+    return engine.module.activation_checkpoint_func.__name__, reentrant, engine._reentrant_activation_checkpointing()
 
 
 @pytest.mark.parametrize(("use_reentrant", "function"), [(False, "non_reentrant_checkpoint"), (None, "checkpoint"),
                                                          (True, "checkpoint")])
 def test_pipeline_use_reentrant_false_picks_the_non_reentrant_checkpoint(use_reentrant, function):
     assert run_distributed(_pipeline_checkpoint_function, world_size=2, args=(use_reentrant,),
-                           timeout=90)[0] == function
+                           timeout=90)[0] == (function, use_reentrant is not False, False)
 
 
 def _expert_groups(data_before_expert: bool) -> list[int]:

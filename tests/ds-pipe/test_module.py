@@ -155,6 +155,16 @@ def test_checkpointable_layers_select_by_class_name():
     assert default._is_checkpointable([nn.ReLU(), torch.tanh]) is False
 
 
+def test_set_checkpoint_interval_rebuilds_the_chunk_results_at_once():
+    layers = [nn.ReLU(), nn.ReLU(), nn.Linear(2, 2), nn.Linear(2, 2)]
+    pipe = PipelineModule(layers, num_stages=1, activation_checkpoint_interval=2)
+    pipe._precompute_checkpointable_values()
+    assert pipe.is_checkpointable_results == [False, True]
+    pipe.set_checkpoint_interval(1)  # forward() zips chunks with these results: they must follow the interval
+    assert pipe.activation_checkpoint_interval == 1
+    assert pipe.is_checkpointable_results == [False, False, True, True]
+
+
 def test_tuple_activations_pass_between_checkpointed_chunks():
     class Split(nn.Module):
         def __init__(self):

@@ -445,6 +445,7 @@ class PipelineModule(nn.Module):
     def set_checkpoint_interval(self, interval: int) -> None:
         _check_options(interval, None)
         self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()  # the cached chunk results must match the new interval now
 
     # ------------------------------------------------------------ tied weights
 

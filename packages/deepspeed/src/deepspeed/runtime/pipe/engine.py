@@ -120,6 +120,16 @@ class PipelineEngine(DeepSpeedEngine):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """DeepSpeed's query: whether the module now checkpoints with a function other than the non-reentrant
+        one (read from the module, so ``set_checkpoint_interval`` after ``initialize`` counts). DeepSpeed then
+        makes the first stage's inputs require grad; here ``deepspeed.checkpointing.checkpoint`` is itself
+        non-reentrant, so the inputs are loaded as they are either way."""
+        from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+        return self.module.activation_checkpoint_interval > 0 \
+            and self.module.activation_checkpoint_func is not non_reentrant_checkpoint
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """Where the first and last stages read micro-batches (``(inputs, labels)`` pairs); other stages ignore it."""
         if self.is_first_stage() or self.is_last_stage():
