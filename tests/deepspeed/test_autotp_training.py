@@ -97,7 +97,7 @@ def _errors() -> list[str]:
                                                          "tensor_parallel": {"autotp_size": 2}})
     messages.append(str(stage3.value))
     model = _llama(True)
-    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_gather_output"}
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "local_colwise"}  # a style not built
     with pytest.raises(ConfigError) as plan:
         deepspeed.initialize(model=model, config={**BASE, "tensor_parallel": {"autotp_size": 2}})
     messages.append(str(plan.value))
@@ -117,7 +117,7 @@ def _errors() -> list[str]:
 def test_unsupported_combinations_are_clear_errors():
     stage3, plan, conflict, dtype = run_distributed(_errors, world_size=2, timeout=120)[0]
     assert "zero_optimization.stage" in stage3 and "0, 1 and 2" in stage3
-    assert "colwise_gather_output" in plan
+    assert "local_colwise" in plan
     assert "tp_model_init" in conflict and "autotp_size" in conflict
     assert "bfloat16" in dtype and "fp32" in dtype
 
