@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ds_zero.zero3._collectives import gather_now
+from ds_zero.zero3._collectives import gather_now, start_gather
 from ds_zero.zero3._guard import guard
 from ds_zero.zero3.param import (
     PartitionSpace,
@@ -50,6 +50,7 @@ def convert_param(param: torch.nn.Parameter, space: PartitionSpace, dtype: torch
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.data = torch.empty(0, dtype=dtype, device=space.compute_device)
     param.all_gather = _bound(all_gather_params, param)
+    param.all_gather_coalesced = _bound(CoalescedGather, param)
     param.partition = _bound(release_params, param)
     param.ds_summary = _bound(_summary, param)
     guard(param)
@@ -73,6 +74,28 @@ def _summary(params: list[torch.nn.Parameter]) -> dict[str, Any]:
 def all_gather_params(params: list[torch.nn.Parameter], **_: Any) -> None:
     """Gather the whole value of every parameter that is not available (collective over their group)."""
     gather_now([p for p in params if is_partitioned(p)])
+
+
+class CoalescedGather:
+    """``param.all_gather_coalesced(params)``: DeepSpeed's asynchronous gather of a list of parameters (one
+    exchange per process group); ``wait()`` installs the whole values. Parameters already available are left as
+    they are, ones in flight are waited for. ``quantize=True`` (DeepSpeed's per-call qwZ) is refused: quantized
+    gathers here follow ``zero_quantized_weights``; ``safe_mode`` is accepted (gathers check sizes anyway)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], safe_mode: bool = False, quantize: bool = False) -> None:
+        if quantize:
+            raise ValueError("all_gather_coalesced(quantize=True): per-call quantized gathers are not supported; "
+                             "set zero_optimization.zero_quantized_weights to quantize every gather")
+        partitioned = [p for p in params if is_partitioned(p)]
+        needed = [p for p in partitioned if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        self._inflight = [p for p in partitioned if p.ds_status is ZeroParamStatus.INFLIGHT]
+        self._pending = start_gather(needed) if needed else None
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        gather_now(self._inflight)
 
 
 def release_params(params: list[torch.nn.Parameter], **_: Any) -> None:

@@ -35,8 +35,11 @@ from ds_zero.zero3.param import PartitionSpace, ZeroParamStatus, is_partitioned,
 
 _LOCAL = threading.local()
 
-# DeepSpeed's name for the unwrapped constructor (Transformers compares the functions it is given against it)
-_orig_torch_arange = torch.arange
+# DeepSpeed's names for the unwrapped constructors (Transformers compares the functions it is given against
+# _orig_torch_arange; tests and clients read or replace the others around Init, which never wraps them here)
+_orig_torch_tensor, _orig_torch_empty, _orig_torch_zeros = torch.tensor, torch.empty, torch.zeros
+_orig_torch_ones, _orig_torch_full, _orig_torch_arange = torch.ones, torch.full, torch.arange
+_orig_torch_eye, _orig_torch_randn = torch.eye, torch.randn
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype,
