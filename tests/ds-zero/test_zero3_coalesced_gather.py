@@ -27,7 +27,7 @@ def _gather_body() -> dict:
         params[0].all_gather_coalesced(params, quantize=True)
     return {"before": [s is ZeroParamStatus.NOT_AVAILABLE for s in before],
             "after": [p.ds_status is ZeroParamStatus.AVAILABLE for p in params],
-            "exact": [torch.equal(p.data, torch.arange(1.0, n + 1)) for p, n in zip(params, numels)]}
+            "exact": [torch.equal(p.data, torch.arange(1.0, n + 1)) for p, n in zip(params, numels, strict=True)]}
 
 
 def test_all_gather_coalesced_reconstructs_padded_partitions_exactly():
