@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from typing import Annotated, Literal
 
@@ -47,6 +48,17 @@ def test_config_error_is_a_value_error_listing_every_problem():
     assert isinstance(err, ValueError)
     assert err.paths == ["a.b", "c"]
     assert "a.b: bad (got 3)" in str(err) and "c: missing" in str(err) and "2 problems" in str(err)
+
+
+def test_config_error_pickles_with_its_problems_and_class():
+    # a rank's error crosses a process boundary (multiprocessing pools, DeepSpeed's test launcher) by pickling
+    from ds_config.elasticity import ElasticityConfigError
+
+    for err in (ConfigError([ConfigProblem("a.b", "bad", 3), ConfigProblem("c", "is required but missing")]),
+                ElasticityConfigError("Elasticity config missing micro_batch_sizes")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.paths == err.paths
+        assert [p.value for p in back.problems][:1] == [p.value for p in err.problems][:1]
 
 
 def test_unknown_key_at_depth_names_full_path_and_suggestion():

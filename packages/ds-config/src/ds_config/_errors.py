@@ -18,6 +18,10 @@ class ConfigProblem:
     message: str
     value: Any = _MISSING
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # the "no value" marker is this process's object
+        return type(self), (self.path, self.message) if self.value is _MISSING else (self.path, self.message,
+                                                                                       self.value)
+
     def __str__(self) -> str:
         where = self.path or "<config>"
         if self.value is _MISSING:
@@ -40,6 +44,11 @@ class ConfigError(ValueError):
             problems = [problems]
         self.problems: list[ConfigProblem] = list(problems)
         super().__init__(self._render())
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # rebuilt from the problems (a rank's error re-raised in its parent keeps its paths and message, instead
+        # of the rendered text becoming one pathless problem)
+        return type(self), (self.problems,)
 
     @property
     def paths(self) -> list[str]:
