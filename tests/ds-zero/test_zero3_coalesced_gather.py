@@ -1,4 +1,4 @@
-"""``param.all_gather_coalesced(params)`` (DeepSpeed's asynchronous gather of several ZeRO-3 parameters, a handle
+"""ZeRO-3 internals DeepSpeed's tests reach: ``param.all_gather_coalesced(params)`` (DeepSpeed's asynchronous gather of several ZeRO-3 parameters, a handle
 with ``wait()``) brings back the exact whole values, padded partitions included; DeepSpeed's names for the
 unwrapped tensor constructors are torch's own (``Init`` never wraps them here)."""
 
@@ -40,3 +40,27 @@ def test_unwrapped_constructor_names_are_torchs():
 
     assert (pp._orig_torch_empty, pp._orig_torch_zeros, pp._orig_torch_arange) == (torch.empty, torch.zeros,
                                                                                    torch.arange)
+
+
+def _norm_groups_body() -> dict:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "sub_group_size": 10},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+    x = torch.randn(2, 6) + torch.distributed.get_rank()
+    engine.backward(engine(x).pow(2).sum())
+    groups = optimizer._get_norm_groups()
+    total = float(torch.linalg.vector_norm(torch.stack(groups)))
+    engine.step()
+    return {"groups": len(groups), "total": total, "step": optimizer._global_grad_norm}
+
+
+def test_norm_groups_combine_to_the_steps_global_norm():
+    outs = run_distributed(_norm_groups_body, world_size=2, timeout=120)
+    assert outs[0]["groups"] > 1  # several sub-groups
+    for out in outs:
+        assert out["total"] == pytest.approx(outs[0]["step"], rel=1e-5)
+        assert out["step"] == outs[0]["step"]

@@ -348,6 +348,17 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         return partitioned_norm(grads, self.comm, self.dp_group, self.world)
 
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """DeepSpeed's per-sub-group gradient norms over every data-parallel rank (loss-scaled, as DeepSpeed's are;
+        a collective). A sub-group whose gradients went to NVMe enters through the squared norms kept as written."""
+        return [torch.tensor(self._global_norm(
+            [torch.tensor([math.sqrt(sum(g.grad_written.values()))])] if g.master_on_nvme else [g.fp32_grad()]))
+            for g in self.groups]
+
+    @property
+    def _global_grad_norm(self) -> float | None:  # DeepSpeed's name for the last step's norm
+        return self.global_grad_norm
+
     def step(self) -> bool:
         if self.swapper is not None:
             return self._swapped_step()
