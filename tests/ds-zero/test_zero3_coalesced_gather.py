@@ -1,6 +1,7 @@
-"""ZeRO-3 internals DeepSpeed's tests reach: ``param.all_gather_coalesced(params)`` (DeepSpeed's asynchronous gather of several ZeRO-3 parameters, a handle
-with ``wait()``) brings back the exact whole values, padded partitions included; DeepSpeed's names for the
-unwrapped tensor constructors are torch's own (``Init`` never wraps them here)."""
+"""ZeRO-3 internals DeepSpeed's tests reach: ``param.all_gather_coalesced(params)`` (an asynchronous gather of
+several parameters, a handle with ``wait()``) brings back the exact whole values, padded partitions included;
+DeepSpeed's names for the unwrapped tensor constructors are torch's own (``Init`` never wraps them here); the
+optimizer's ``_get_norm_groups()`` combine to the step's global norm (``_global_grad_norm``)."""
 
 from __future__ import annotations
 
