@@ -380,7 +380,7 @@ class PartitionedReducer:
                 if i not in bucket.ready:
                     self._unused.append(p)
                 continue
-            if bucket.direct and not grad.is_sparse and grad.data_ptr() == dst.data_ptr():
+            if bucket.direct and not grad.is_sparse and grad.data_ptr() == dst.data_ptr() and grad.is_contiguous():
                 continue  # the gradient is its slot of the store
             dst.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
             if self.free_grads:
@@ -392,7 +392,8 @@ class PartitionedReducer:
             self._pass_open = True
             if not self.every_micro_step:  # stage 1 reduces the whole accumulated gradient: replace, not add
                 for fg in self.groups:
-                    fg.grad_partition.zero_()
+                    if fg.grad_partition_allocated:  # else its first use allocates it zeroed
+                        fg.grad_partition.zero_()
         self._pack(bucket)
         flat, channel = bucket.flat, bucket.channel
         pre = self._pre_factor(channel)
