@@ -62,3 +62,11 @@ def test_count_used_parameters_in_backward_counts_the_parameters_this_backward_r
     assert seen == [1]
     with pytest.raises(RuntimeError, match="while a backward pass runs"):
         count_used_parameters_in_backward([used])
+
+
+def test_initialize_without_a_model_raises_deepspeeds_assertion_error_too():
+    import deepspeed
+
+    with pytest.raises(AssertionError, match="model is required") as info:
+        deepspeed.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})  # positional: that is `args`
+    assert isinstance(info.value, ValueError)

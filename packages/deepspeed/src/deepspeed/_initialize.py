@@ -69,6 +69,10 @@ def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: An
     return model_parameters, optimizer
 
 
+class MissingModelError(ValueError, AssertionError):
+    """``deepspeed.initialize`` without a model: a ``ValueError``, and the ``AssertionError`` DeepSpeed raises."""
+
+
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
@@ -80,8 +84,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     from deepspeed.runtime.engine import DeepSpeedEngine
     from ds_config import load_config
 
-    if model is None:
-        raise ValueError("deepspeed.initialize: model is required (a torch.nn.Module)")
+    if model is None:  # also DeepSpeed's AssertionError (a model passed positionally lands in ``args``)
+        raise MissingModelError("deepspeed.initialize: model is required (a torch.nn.Module); pass it as model=...")
     pipe = _pipeline_module(model)
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
