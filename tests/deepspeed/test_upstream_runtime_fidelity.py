@@ -70,3 +70,28 @@ def test_initialize_without_a_model_raises_deepspeeds_assertion_error_too():
     with pytest.raises(AssertionError, match="model is required") as info:
         deepspeed.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})  # positional: that is `args`
     assert isinstance(info.value, ValueError)
+
+
+def _grad_accum_mix(stage: int) -> str:
+    import warnings
+
+    import deepspeed
+    from ds_config import ConfigError, InertConfigKeyWarning
+
+    config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": "bf16"}}
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+    except NotImplementedError as exc:
+        return f"refused (ConfigError: {isinstance(exc, ConfigError)})"
+    return "inert" if any(issubclass(w.category, InertConfigKeyWarning) for w in seen) else "silent"
+
+
+@pytest.mark.parametrize(("stage", "outcome"), [(0, "refused (ConfigError: True)"), (1, "inert")])
+def test_grad_accum_dtype_off_the_precision_as_deepspeed_treats_it(stage, outcome):
+    # DeepSpeed: ZeRO ignores the mix (gradients reduce in the training dtype); without ZeRO NotImplementedError
+    from _harness import run_distributed
+
+    assert run_distributed(_grad_accum_mix, world_size=1, args=(stage,), timeout=90)[0] == outcome

@@ -3,13 +3,14 @@ accumulation and gradient communication, and DeepSpeed's class for the stage-0 f
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler, build_loss_scaler
 from deepspeed.runtime.precision.optimizers import MixedPrecisionOptimizer
-from ds_config import ConfigError, ConfigProblem
+from ds_config import ConfigError, ConfigProblem, InertConfigKeyWarning
 
 
 def loss_scaler(config: Any) -> Any:
@@ -26,6 +27,11 @@ def autocast_dtype(config: Any) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.torch_autocast.dtype, torch.bfloat16)
 
 
+class UnsupportedPrecisionMix(ConfigError, NotImplementedError):
+    """A ``grad_accum_dtype`` the engine cannot accumulate in: a ``ConfigError`` naming the key, and the
+    ``NotImplementedError`` DeepSpeed raises for the same mix."""
+
+
 def grad_accum_fp32(config: Any) -> bool:
     dtype = config.data_types.grad_accum_dtype
     if dtype is None:
@@ -34,9 +40,14 @@ def grad_accum_fp32(config: Any) -> bool:
         return True
     if dtype == config.precision:
         return False
-    raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", f"cannot accumulate {config.precision} "
-                                    "gradients in this dtype; accepted: fp32 or the training "
-                                    f"dtype ({config.precision})", dtype))
+    if config.zero_stage > 0:  # as DeepSpeed: ZeRO reduces in the training dtype whatever this asks for
+        warnings.warn(f"config key 'data_types.grad_accum_dtype' ({dtype}) has no effect with ZeRO stage "
+                      f"{config.zero_stage}: gradients accumulate in the training dtype ({config.precision}), as "
+                      "in DeepSpeed", InertConfigKeyWarning, stacklevel=2)
+        return False
+    raise UnsupportedPrecisionMix(ConfigProblem("data_types.grad_accum_dtype", f"cannot accumulate "
+                                                f"{config.precision} gradients in this dtype; accepted: fp32 or "
+                                                f"the training dtype ({config.precision})", dtype))
 
 
 def comm_dtype(config: Any) -> torch.dtype | None:

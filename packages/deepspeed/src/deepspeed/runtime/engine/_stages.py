@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.engine._module import LOW_DTYPES
-from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, legacy_class, loss_scaler
+from deepspeed.runtime.engine._precision import (
+    UnsupportedPrecisionMix,
+    comm_dtype,
+    grad_accum_fp32,
+    legacy_class,
+    loss_scaler,
+)
 from deepspeed.runtime.grad_reduce import BucketedAllReduce, ReduceOptions
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from deepspeed.runtime.precision.optimizers import FP32Optimizer
@@ -96,8 +102,9 @@ def build_stage0(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer
             fp32_grad_accum=fp32_accum, **common)
     else:
         if config.data_types.grad_accum_dtype not in (None, "fp32", "float32"):
-            raise ConfigError(ConfigProblem("data_types.grad_accum_dtype", "fp32 training accumulates gradients in "
-                                            "fp32; accepted: fp32", config.data_types.grad_accum_dtype))
+            raise UnsupportedPrecisionMix(ConfigProblem("data_types.grad_accum_dtype", "fp32 training accumulates "
+                                                        "gradients in fp32; accepted: fp32",
+                                                        config.data_types.grad_accum_dtype))
         wrapper = FP32Optimizer(inputs.basic_optimizer, **common)
     if getattr(inputs.basic_optimizer, "communicates_gradients", False):  # 1-bit optimizers average themselves
         from deepspeed.runtime.fp16.onebit.engine_hooks import attach  # (DeepSpeed: enable_backward_allreduce=False)
