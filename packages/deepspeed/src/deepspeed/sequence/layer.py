@@ -20,6 +20,7 @@ uneven-head path does.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -30,12 +31,23 @@ from torch.nn import Module
 from deepspeed import comm
 from deepspeed.accelerator import get_accelerator
 
-try:  # torchembed's fused RoPE kernel (Triton), which DeepSpeed uses for tensors on an accelerator when installed
-    from torchembed._triton import fused_rope_forward as _torchembed_rope_forward
+# torchembed's fused RoPE kernel (Triton), which DeepSpeed uses for tensors on an accelerator when installed. It is
+# imported at its first use, not with this module: an optional package nothing declares must not load on import.
+_torchembed_available = importlib.util.find_spec("torchembed") is not None
+_torchembed_rope_forward = None
 
-    _torchembed_available = True
-except ImportError:
-    _torchembed_available = False
+
+def _fused_rope_forward():
+    """torchembed's ``fused_rope_forward``, or None when it does not import (then the flag turns False)."""
+    global _torchembed_available, _torchembed_rope_forward
+    if _torchembed_rope_forward is None and _torchembed_available:
+        try:
+            from torchembed._triton import fused_rope_forward
+        except ImportError:
+            _torchembed_available = False
+        else:
+            _torchembed_rope_forward = fused_rope_forward
+    return _torchembed_rope_forward
 
 
 class _HeadPartition:
@@ -136,11 +148,14 @@ def apply_rotary_pos_emb(t: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Ten
     t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     # The fused kernel takes [seq, rot_dim] caches applied along t's second-to-last axis: used only when t's dim 0
     # is unambiguously the caches' sequence dim (callers with another layout take the reference formula).
+    fused = None
     if (_torchembed_available and get_accelerator().on_accelerator(t) and rot_dim % 2 == 0
             and freqs_cos.shape[0] == t.shape[0] and freqs_cos.numel() == freqs_cos.shape[0] * rot_dim):
+        fused = _fused_rope_forward()
+    if fused is not None:
         cos, sin = (f.reshape(f.shape[0], rot_dim) for f in (freqs_cos, freqs_sin))
         seq_last = t.movedim(0, -2).contiguous()
-        out, _ = _torchembed_rope_forward(seq_last, seq_last, cos, sin)
+        out, _ = fused(seq_last, seq_last, cos, sin)
         t = out.movedim(-2, 0).contiguous()
     else:
         t = t * freqs_cos + _rotate_half(t) * freqs_sin
