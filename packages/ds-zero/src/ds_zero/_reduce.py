@@ -54,6 +54,11 @@ from ds_zero.collectives import TORCH, Collectives
 AUTOCAST_COMM_DTYPE_ATTR = "comm_dtype"  # set by deepspeed.runtime.torch_autocast.init_autocast_params
 
 
+class UnusedParametersError(RuntimeError, AssertionError):
+    """Parameters without a gradient in a backward while ``ignore_unused_parameters`` is false (DeepSpeed asserts
+    here, so code catching its ``AssertionError`` still catches this)."""
+
+
 @dataclass(frozen=True)
 class ReduceSettings:
     """The gradient-communication part of the config, resolved (element counts, dtypes, factors)."""
@@ -549,8 +554,8 @@ class PartitionedReducer:
         if count.item() > 0:
             here = (f"{len(unused)} parameter(s) of shapes {[tuple(p.shape) for p in unused[:5]]} received no "
                     "gradient on this rank" if unused else "another rank had parameters without a gradient")
-            raise RuntimeError(f"ZeRO stage 2: {here} in this backward; set zero_optimization."
-                               "ignore_unused_parameters to true to allow unused parameters")
+            raise UnusedParametersError(f"ZeRO stage 2: {here} in this backward; set zero_optimization."
+                                        "ignore_unused_parameters to true to allow unused parameters")
 
     def _own_slices(self, bucket: _Bucket) -> list[tuple[int, int, int, int]]:
         """``(group, partition offset, bucket offset, numel)`` of the pieces this rank owns (cached: the layout
