@@ -117,7 +117,9 @@ _FROZEN = {"frozen.weight": (12, 12), "frozen.bias": (12,)}
 
 
 def _stage3_files(case: str) -> tuple[list[dict], list[dict]]:
-    """(model-states dict, optimizer-states dict) of each rank, DeepSpeed's classes read as inert placeholders."""
+    """(model-states dict, optimizer-states dict) of each rank: the loss scalers as deepspeed's own classes (its
+    checkpointing allows them in weights-only loads), DeepSpeed's other classes as inert placeholders."""
+    import deepspeed.runtime.checkpointing.serialize  # noqa: F401  (allows the loss scalers, process-wide)
     from ds_zero.zero_to_fp32 import _load
 
     tag_dir = os.path.join(FIXTURES, case, mf.TAG)

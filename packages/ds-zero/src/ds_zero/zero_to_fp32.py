@@ -106,11 +106,20 @@ _PLACEHOLDERS: dict[str, tuple[type, str]] = {
 _MAX_PLACEHOLDERS = 256
 
 
+def _allowed_globals() -> set[str]:
+    """Names the process already allows in weights-only loads (``add_safe_globals``: importing deepspeed's
+    checkpointing allows its loss scalers): those load as the real classes, not as placeholders."""
+    get = getattr(torch.serialization, "get_safe_globals", None)
+    entries = get() if get is not None else []
+    return {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}" for entry in entries}
+
+
 def _load(path: str) -> Any:
     """``torch.load`` with mmap and weights_only; unknown pickled classes become inert placeholders."""
     while True:
+        allowed = _allowed_globals()
         try:
-            return _load_once(path, list(_PLACEHOLDERS.values()))
+            return _load_once(path, [entry for name, entry in _PLACEHOLDERS.items() if name not in allowed])
         except pickle.UnpicklingError as exc:
             match = _BLOCKED_GLOBAL_RE.search(str(exc))
             if match is None or match.group(1) in _PLACEHOLDERS or len(_PLACEHOLDERS) >= _MAX_PLACEHOLDERS:
