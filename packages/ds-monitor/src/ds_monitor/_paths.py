@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-__all__ = ["job_dir"]
+__all__ = ["JobDirAttributes", "job_dir"]
 
 
 def job_dir(output_path: str, job_name: str, section: str) -> str:
@@ -17,3 +18,19 @@ def job_dir(output_path: str, job_name: str, section: str) -> str:
                          "(it becomes a sub-directory of output_path)")
     base = os.path.expanduser(output_path) if output_path else os.getcwd()
     return os.path.abspath(os.path.join(base, job_name))
+
+
+class JobDirAttributes:
+    """DeepSpeed's ``output_path`` / ``job_name`` attributes of its file-based monitors, read from the config."""
+
+    monitor_config: Any
+
+    @property
+    def output_path(self) -> str:
+        """Root folder of the files (DeepSpeed's attribute; the config's ``output_path``)."""
+        return self.monitor_config.output_path
+
+    @property
+    def job_name(self) -> str:
+        """Subfolder of ``output_path`` for this job (DeepSpeed's attribute; the config's ``job_name``)."""
+        return self.monitor_config.job_name

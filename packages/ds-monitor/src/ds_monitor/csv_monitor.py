@@ -15,7 +15,7 @@ from typing import Any
 from ds_config.monitor import CSVConfig
 from ds_monitor._base import Monitor
 from ds_monitor._events import Event
-from ds_monitor._paths import job_dir
+from ds_monitor._paths import JobDirAttributes, job_dir
 
 __all__ = ["CSVMonitor", "csvMonitor", "csv_filename", "csv_header"]
 
@@ -43,7 +43,7 @@ def _ends_torn(path: str) -> bool:
         return f.read(1) != b"\n"
 
 
-class CSVMonitor(Monitor):
+class CSVMonitor(JobDirAttributes, Monitor):
     """Appends events to CSV files under ``output_path/job_name`` (``log_dir``), one file per event name."""
 
     section = "csv_monitor"
@@ -51,16 +51,6 @@ class CSVMonitor(Monitor):
 
     def __init__(self, csv_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
         super().__init__(csv_config, rank=rank)
-
-    @property
-    def output_path(self) -> str:
-        """Root folder of the files (DeepSpeed's attribute; the config's ``output_path``)."""
-        return self.monitor_config.output_path
-
-    @property
-    def job_name(self) -> str:
-        """Subfolder of ``output_path`` for this job (DeepSpeed's attribute; the config's ``job_name``)."""
-        return self.monitor_config.job_name
 
     log_dir: str | None = None
     """Directory of the CSV files (set on the writing rank)."""

@@ -13,13 +13,13 @@ from typing import Any
 from ds_config.monitor import TensorBoardConfig
 from ds_monitor._base import Monitor
 from ds_monitor._events import Event
-from ds_monitor._paths import job_dir
+from ds_monitor._paths import JobDirAttributes, job_dir
 from ds_monitor.utils import import_backend
 
 __all__ = ["TensorBoardMonitor"]
 
 
-class TensorBoardMonitor(Monitor):
+class TensorBoardMonitor(JobDirAttributes, Monitor):
     """Writes events to a TensorBoard event file under ``output_path/job_name`` (``log_dir``).
 
     Each restart adds a new event file in the same directory; TensorBoard merges them.
@@ -30,16 +30,6 @@ class TensorBoardMonitor(Monitor):
 
     def __init__(self, tensorboard_config: Any, *, rank: int | None = None) -> None:  # DeepSpeed's name
         super().__init__(tensorboard_config, rank=rank)
-
-    @property
-    def output_path(self) -> str:
-        """Root folder of the files (DeepSpeed's attribute; the config's ``output_path``)."""
-        return self.monitor_config.output_path
-
-    @property
-    def job_name(self) -> str:
-        """Subfolder of ``output_path`` for this job (DeepSpeed's attribute; the config's ``job_name``)."""
-        return self.monitor_config.job_name
 
     log_dir: str | None = None
     """Directory of the event files (set on the writing rank)."""
