@@ -94,6 +94,24 @@ def test_the_config_optimizer_becomes_deepspeed_cpu_adam():
     assert run_distributed(_config_optimizer_body, world_size=1, timeout=60)[0] == ("DeepSpeedCPUAdam", "cpu")
 
 
+def _torch_adam_body(stage: int) -> str:
+    import deepspeed
+
+    config = _config(stage, optimizer={"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}})
+    engine, _, _, _ = deepspeed.initialize(model=_model(), config=config)
+    engine.backward(engine(torch.randn(2, 6)).sum())
+    engine.step()
+    inner = engine.optimizer.optimizer
+    return type(getattr(inner, "optimizer", inner)).__name__
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_config_optimizer_with_torch_adam_is_not_refused(stage):
+    """As DeepSpeed: ``zero_force_ds_cpu_optimizer`` guards a client's optimizer; ``torch_adam: true`` in the
+    config's own section asks for torch's Adam on the offloaded states on purpose."""
+    assert run_distributed(_torch_adam_body, world_size=1, args=(stage,), timeout=60)[0] in ("Adam", "AdamW")
+
+
 def _shared_groups_body(save_dir: str) -> dict:
     """Accelerate's offload mapping: DeepSpeedCPUAdam built over a torch optimizer's param-group dicts, and the
     user's LR schedule built on that torch optimizer."""

@@ -271,6 +271,38 @@ def test_gathered_parameters_engine_methods_and_safe_apis(tmp_path):
     assert set(r0["plain"].values()) == {(0,)}
 
 
+def _frozen_local_reads() -> dict:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.hidden.weight.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config={**BASE, "zero_optimization": Z3})
+    engine.backward(engine(torch.randint(VOCAB, (2, 4), generator=torch.Generator().manual_seed(5))).sum())
+    frozen, trained = model.hidden.weight, model.hidden.bias
+    reads = {"fp32": deepspeed.utils.safe_get_local_fp32_param, "grad": deepspeed.utils.safe_get_local_grad}
+    out = {name: (read(frozen), read(trained)) for name, read in reads.items()}
+    engine.step()
+    out["exp_avg"] = (deepspeed.utils.safe_get_local_optimizer_state(frozen, "exp_avg"),
+                      deepspeed.utils.safe_get_local_optimizer_state(trained, "exp_avg"))
+    try:
+        deepspeed.utils.safe_set_local_fp32_param(frozen, torch.zeros(frozen.ds_tensor.numel()))
+        out["set"] = "no error"
+    except AssertionError as exc:
+        out["set"] = str(exc)
+    return out
+
+
+def test_local_reads_of_a_frozen_zero3_parameter_are_none():
+    """As DeepSpeed (and the ``safe_get_full_*`` reads): a frozen ZeRO-3 parameter has no fp32 value, gradient
+    or optimizer state; writing one is still an error."""
+    for out in run_distributed(_frozen_local_reads, world_size=2, timeout=90):
+        for name in ("fp32", "grad", "exp_avg"):
+            frozen, trained = out[name]
+            assert frozen is None and trained is not None and trained.numel() == DIM // 2, name
+        assert "no ZeRO stage 3 optimizer" in out["set"]
+
+
 def _evaluate(zero: dict) -> dict:
     import deepspeed
 

@@ -396,6 +396,14 @@ def _zero3_owner(param: torch.nn.Parameter, call: str) -> Any:
     return opt
 
 
+def _zero3_reader(param: torch.nn.Parameter, call: str) -> Any | None:
+    """The owner for a ``safe_get_local_*`` read; None for a ZeRO-3 parameter no optimizer partitions (frozen, or
+    not given to it), which has no fp32 value, gradient or state, as the ``safe_get_full_*`` reads answer."""
+    if is_zero_param(param) and owner_of(param) is None:
+        return None
+    return _zero3_owner(param, call)
+
+
 def _lp_from_master(opt: Any, param: torch.nn.Parameter) -> None:
     """This rank's 16-bit partition of ``param`` from its fp32 master slice (written through to its swap file
     when the partition lives on NVMe: the file is the value)."""
@@ -425,7 +433,9 @@ def _local_state(opt: Any, param: torch.nn.Parameter, key: Any, call: str) -> to
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's fp32 partition of ``param`` (``ds_tensor``'s size)."""
-    opt = _zero3_owner(param, "safe_get_local_fp32_param")
+    opt = _zero3_reader(param, "safe_get_local_fp32_param")
+    if opt is None:
+        return None
     with _resident(opt, [param], write_back=False):
         return opt.group_of(param).master_slice(param).clone()
 
@@ -433,14 +443,18 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's gradient partition of ``param`` (after backward, before step), in the
     accumulation dtype."""
-    opt = _zero3_owner(param, "safe_get_local_grad")
+    opt = _zero3_reader(param, "safe_get_local_grad")
+    if opt is None:
+        return None
     with _resident(opt, [param], write_back=False, grads=True):
         return opt.group_of(param).grad_slice(param).clone()
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: Any) -> torch.Tensor | None:
     """ZeRO-3 only: this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
-    opt = _zero3_owner(param, "safe_get_local_optimizer_state")
+    opt = _zero3_reader(param, "safe_get_local_optimizer_state")
+    if opt is None:
+        return None
     with _resident(opt, [param], write_back=False):
         return _local_state(opt, param, optim_state_key, "safe_get_local_optimizer_state").clone()
 

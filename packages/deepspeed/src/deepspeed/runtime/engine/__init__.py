@@ -29,7 +29,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.utils import checkpoint_parallel_metadata as _checkpoint_parallel_metadata  # noqa: F401
 from deepspeed.runtime.eigenvalue import eigenvalue_summary_events as _eigenvalue_summary_events  # noqa: F401
-from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages
+from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages, _zero
 from deepspeed.runtime.engine._accessors import ConfigAccessors
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
@@ -112,6 +112,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         offload = self._config.zero_optimization.offload_optimizer
         cpu_offload = offload is not None and str(getattr(offload, "device", "none")).endswith(("cpu", "nvme"))
         self.basic_optimizer = _optimizer.build_basic_optimizer(optimizer, self._config.optimizer, chosen, cpu_offload)
+        if optimizer is not None and cpu_offload and self._config.zero_stage > 0:
+            _zero.check_client_offload_optimizer(self.basic_optimizer, self._config)
         _optimizer.check_zero_optimizer(self.basic_optimizer, self._config.zero_stage,
                                         self._config.zero_allow_untested_optimizer)
         _setup.check_sequence_parallel_optimizer(self)

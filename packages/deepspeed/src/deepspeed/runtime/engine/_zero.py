@@ -94,7 +94,10 @@ def zero_settings(config: Any) -> Any:
                         pin_memory=bool(off.pin_memory) if offload else False)
 
 
-def _check_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> None:
+def check_client_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> None:
+    """A client's optimizer with ``offload_optimizer`` (cpu or nvme) must be a DeepSpeed CPU optimizer unless
+    ``zero_force_ds_cpu_optimizer`` is false. As in DeepSpeed, the config's own ``optimizer`` section is not
+    checked: ``torch_adam: true`` there asks for torch's Adam on purpose."""
     if not config.zero_force_ds_cpu_optimizer:
         return
     from ds_zero.stage_1_and_2 import is_ds_cpu_optimizer
@@ -145,8 +148,6 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
 
     config = inputs.config
     settings = zero_settings(config)
-    if settings.offload_device == "cpu":
-        _check_offload_optimizer(inputs.basic_optimizer, config)
     names: dict[torch.nn.Parameter, str] = {}
     for name, p in inputs.module.named_parameters():
         names.setdefault(p, name)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from deepspeed import comm
 from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, loss_scaler
 from deepspeed.runtime.engine._stages import StageInputs
-from deepspeed.runtime.engine._zero import _check_offload_optimizer, zero_plus_plus_problems
+from deepspeed.runtime.engine._zero import zero_plus_plus_problems
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
 
@@ -198,8 +198,6 @@ def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRe
     if inputs.scheduler is None:
         raise RuntimeError("ZeRO stage 3: the model was not partitioned before the optimizer was built")
     settings = zero3_settings(config)
-    if settings.offload_optimizer:
-        _check_offload_optimizer(inputs.basic_optimizer, config)
     names: dict[torch.nn.Parameter, str] = {}
     for name, p in inputs.module.named_parameters():
         names.setdefault(p, name)
