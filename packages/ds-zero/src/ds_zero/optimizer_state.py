@@ -23,11 +23,30 @@ FP32_GROUPS = "single_partition_of_fp32_groups"
 BASE_STATE = "base_optimizer_state"
 
 
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+
+
+def universal_checkpoint_info_of(groups: Sequence[Sequence[Any]]) -> Any:
+    """The universal-checkpoint description a model parameter carries (``param.universal_checkpoint_info``, the
+    merge rules DeepSpeed's AutoTP attaches), the first found in ``groups``; None when none carries one. The
+    optimizers read it once at construction, so the state dicts they save keep it whatever happens to the
+    parameters later."""
+    for group in groups:
+        for param in group:
+            info = getattr(param, UNIVERSAL_CHECKPOINT_INFO, None)
+            if info is not None:
+                return info
+    return None
+
+
 def partitioned_state_dict(opt: Any) -> dict[str, Any]:
     """This rank's share of the optimizer state (``opt``: a ``DeepSpeedZeroOptimizer``)."""
     scaler = opt.loss_scaler
     # DeepSpeed's stage 1/2 load keeps its own scaler when the key is absent (no scaling: nothing to restore)
     state = {} if scaler is None else {"loss_scaler": loss_scaler_description(scaler)}
+    info = getattr(opt, "_universal_checkpoint_info", None)
+    if info is not None:  # DeepSpeed saves the parameters' merge rules with the ZeRO state too
+        state[UNIVERSAL_CHECKPOINT_INFO] = info
     return {
         **state,
         "dynamic_loss_scale": bool(scaler is not None and hasattr(scaler, "scale_window")),

@@ -45,7 +45,7 @@ from ds_zero.estimate import zero2_model_to_params as model_to_params
 from ds_zero.gather import gather_method, gather_partitions
 from ds_zero.grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
 from ds_zero.loss_scaled import LossScaledWrapper
-from ds_zero.optimizer_state import load_partitioned_state, partitioned_state_dict
+from ds_zero.optimizer_state import load_partitioned_state, partitioned_state_dict, universal_checkpoint_info_of
 from ds_zero.registry import register
 
 __all__ = [
@@ -117,7 +117,18 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
                                           settings.reduce, dp_group, self.world, settings.stage, comm)
         self._gather = [gather_method(fg.process_group, settings.allgather_partitions) if fg.layout.world_size > 1
                         else "none" for fg in self.groups]
+        self.bit16_groups = [list(fg.params) for fg in self.groups]  # DeepSpeed's name: the model's params per group
+        self._enable_universal_checkpoint()
         register(self, list(self.home))
+
+    def _enable_universal_checkpoint(self) -> None:
+        """Cache the parameters' universal-checkpoint description (saved with the state dict). DeepSpeed also
+        binds its fragment loader to each parameter here; this optimizer restores a Universal Checkpoint through
+        ``ds_zero.checkpoint``'s ``load_universal`` instead."""
+        self._universal_checkpoint_info = universal_checkpoint_info_of(self.bit16_groups)
+
+    def _get_universal_checkpoint_info(self) -> Any:
+        return getattr(self, "_universal_checkpoint_info", None)
 
     def _check_group_comms(self, group_comms: Mapping[int, GroupComm]) -> Mapping[int, GroupComm]:
         count = len(self.optimizer.param_groups)

@@ -75,7 +75,11 @@ def _rank_sections(tag_dir: str, mp_rank: int = 0) -> tuple[int, int, list[Mappi
         raise UniversalConversionError(f"{tag_dir}: no zero_pp_rank_<r>_mp_rank_{mp_rank:02d}_optim_states.pt files; "
                                        "only ZeRO stage 1/2/3 checkpoint tag folders can be converted")
     first = files[min(files)]
-    stage, world = z._stage_and_world(z._optimizer_section(z._load(first), first), first)
+    section = z._optimizer_section(z._load(first), first)
+    if "partition_count" not in section and ("fp32_flat_groups" in section or section.get("zero_stage") == 3):
+        stage, world = 3, len(files)  # a ZeRO-3 state may omit it: one file per data-parallel rank
+    else:
+        stage, world = z._stage_and_world(section, first)
     missing = sorted(set(range(world)) - set(files))
     if missing:
         raise UniversalConversionError(f"{tag_dir}: written by {world} data-parallel ranks but the optimizer files "
@@ -92,8 +96,8 @@ def _group_states(section: Mapping[str, Any], stage: int, path: str) -> tuple[li
     base = section.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") or {}
     state = base.get("state") or {}
     out: dict[str, list] = {"exp_avg": [], "exp_avg_sq": [], "step": []}
-    for g in range(len(fp32)):
-        group = state.get(g, {})
+    for g in range(len(fp32)):  # the state of group g is keyed by its index (or is entry g of a list)
+        group = (state[g] if g < len(state) else {}) if isinstance(state, list) else state.get(g, {})
         for key in out:
             out[key].append(group.get(key))
     return fp32, out

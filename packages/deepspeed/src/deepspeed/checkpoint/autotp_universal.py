@@ -163,6 +163,59 @@ def convert_autotp_stage0(input_folder: str, output_folder: str, strict: bool) -
     return _finish(output_folder, [path for path, _ in ranks], shapes if strict else None, keys)
 
 
+def convert_tp_by_rules(input_folder: str, output_folder: str, mp_ranks: list[int], uc_info: Mapping[str, Any],
+                        strict: bool) -> str:
+    """Convert a tensor-parallel checkpoint that describes its layout by ``universal_checkpoint_info`` rules
+    (DeepSpeed's AutoTP: ZeRO-3, where every ``zero_pp_rank_<dp>_mp_rank_<tp>`` file pair holds one data-parallel
+    partition of one TP rank's shards, or ZeRO-1/2 files written by DeepSpeed). Each model-parallel rank is one
+    TP rank; its values and moments are first joined across data-parallel ranks at its own shard shapes, then the
+    TP slices are merged by :class:`~deepspeed.checkpoint.tp_merge.MergeRules`, one parameter at a time."""
+    from deepspeed.checkpoint import _conversion as du
+    from deepspeed.checkpoint.tp_merge import MergeRules
+    from deepspeed.checkpoint.universal import ZERO_FOLDER
+    from deepspeed.runtime.checkpointing.atomic import make_dirs
+    from ds_zero import zero_to_fp32 as z
+
+    per_rank, model_files = [], []
+    for mp_rank in mp_ranks:
+        stage, world, sections, paths = du._rank_sections(input_folder, mp_rank)
+        files = du._model_state_files(input_folder, stage, mp_rank)
+        shapes = z._param_groups(z._load(files[0]), files[0])
+        lazy, steps = du._lazy_states(stage, world, sections, paths, shapes, files[0])
+        per_rank.append((shapes, lazy, steps, sections[0], stage))
+        model_files += files
+    shapes, lazy0, steps, section, stage = per_rank[0]
+    names = [name for group in shapes for name in group]
+    for mp_rank, rank in zip(mp_ranks, per_rank, strict=True):
+        if [n for g in rank[0] for n in g] != names:
+            raise du.UniversalConversionError(f"{input_folder}: tensor-parallel rank {mp_rank} trained other "
+                                              "parameters than rank 0; not one tensor-parallel model")
+    zero_dir, rules = os.path.join(output_folder, ZERO_FOLDER), MergeRules(uc_info)
+    make_dirs(zero_dir)
+    group_of = {name: g for g, group in enumerate(shapes) for name in group}
+    full_shapes: dict[str, tuple] = {}
+    print(f"Converting tensor-parallel (tp={len(mp_ranks)}) ZeRO stage {stage} checkpoint {input_folder} to "
+          f"{output_folder}")
+    for name in du._progress(names, "ds_to_universal"):
+        param_dir = os.path.join(zero_dir, name)
+        make_dirs(param_dir)
+        for key in lazy0:
+            merged = rules.merge(name, [rank[1][key][name].contiguous() for rank in per_rank])
+            full_shapes[name] = tuple(merged[du.PARAM].shape)
+            du._save(os.path.join(param_dir, f"{key}.pt"), merged)
+            del merged
+        if group_of[name] in steps:
+            du._save(os.path.join(param_dir, "step.pt"), steps[group_of[name]])
+    if rules.unmatched:
+        if strict:
+            raise du.UniversalConversionError(f"{input_folder}: universal_checkpoint_info patterns "
+                                              f"{sorted(rules.unmatched)} match no parameter (pass --no_strict to "
+                                              "convert anyway)")
+        print(f"Warning: Unused patterns={sorted(rules.unmatched)} while merging tp slices")
+    du._save(os.path.join(zero_dir, du.OPTIMIZER_STATE_FILE), du._optimizer_common(section, stage))
+    return _finish(output_folder, model_files, full_shapes if strict else None, list(lazy0))
+
+
 def _finish(output_folder: str, model_files: list[str], shapes: dict[str, tuple] | None, keys: list[str]) -> str:
     """Copy the model-states files, check every written file against the full ``shapes`` (None: no check) and
     point ``latest_universal`` at the output folder."""

@@ -22,8 +22,11 @@ DeepSpeed. ``strict`` (default; ``--no_strict`` turns it off) checks every conve
 Pipeline-parallel checkpoints (ZeRO-1/2 with several stages: ``mp_rank_SS`` files whose model states hold
 ``pipeline_parts``) are converted stage by stage into one ``zero/`` folder by global parameter name (tied
 parameters once), and the layer files are copied. AutoTP checkpoints (``tensor_parallel.autotp_size``, ZeRO
-stage 0/1/2) are put back together from their tensor-parallel shards (``autotp_universal``); other
-tensor-parallel layouts are not supported.
+stage 0/1/2) are put back together from their tensor-parallel shards (``autotp_universal``). Tensor-parallel
+checkpoints that describe their layout by ``universal_checkpoint_info`` merge rules (DeepSpeed's AutoTP under
+ZeRO-3, and its ZeRO-1/2 ones) are merged by those rules (``tp_merge``). Before anything is written, a ZeRO-1/2
+checkpoint is read as a ``DeepSpeedCheckpoint`` and refused when it lacks ``universal_checkpoint_info`` or marks
+parameters unconvertible (``autotp_unsupported_parameter_patterns``), as DeepSpeed does.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ from deepspeed.checkpoint._conversion import (
 from deepspeed.checkpoint.autoep_metadata import (  # DeepSpeed's private name for it
     aggregate_autoep_zero12_metadata as _aggregate_autoep_zero12_metadata,  # noqa: F401
 )
+from deepspeed.checkpoint.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS
+from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
+from deepspeed.checkpoint.tp_merge import group_per_tp_shapes as _group_per_tp_shapes  # noqa: F401 - DeepSpeed names
+from deepspeed.checkpoint.tp_merge import merge_tp_slices as merge_tp_slices
+from deepspeed.checkpoint.tp_merge import read_tp_slices as _merge_zero_shards  # noqa: F401
 from deepspeed.checkpoint.universal import LATEST_UNIVERSAL, ZERO_FOLDER
 from deepspeed.runtime.checkpointing.atomic import atomic_write_text, make_dirs
 
@@ -119,6 +127,11 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
         from deepspeed.checkpoint.autotp_universal import convert_autotp
 
         return convert_autotp(input_folder, output_folder, mp_ranks, inject_missing_state, strict)
+    rules = _tp_rules(input_folder, inject_missing_state) if len(mp_ranks) > 1 else None
+    if rules is not None:  # tensor parallelism described by universal_checkpoint_info (DeepSpeed's AutoTP)
+        from deepspeed.checkpoint.autotp_universal import convert_tp_by_rules
+
+        return convert_tp_by_rules(input_folder, output_folder, mp_ranks, rules, strict)
     zero_dir = os.path.join(output_folder, ZERO_FOLDER)
     make_dirs(zero_dir)
     written: set[str] = set()
@@ -154,6 +167,28 @@ def _autotp_size(tag_dir: str) -> int:
 
     path = os.path.join(tag_dir, _model_states_name(0))
     return autotp_size_of(z._load(path)) if os.path.isfile(path) else 1
+
+
+def _tp_rules(tag_dir: str, inject_missing_state: bool) -> Mapping[str, Any] | None:
+    """The ``universal_checkpoint_info`` by which the model-parallel ranks of ``tag_dir`` are tensor-parallel
+    ones, or None when they are pipeline stages. A ZeRO-3 checkpoint's ranks are always TP ranks (an absent info:
+    every slice concatenated along dim 0, as DeepSpeed); ZeRO-1/2 ones when the model states hold the info and no
+    pipeline layout (``--inject_missing_state`` supplies the default info)."""
+    from ds_zero import zero_to_fp32 as z
+
+    stage = _rank_sections(tag_dir, 0)[0]
+    path = _model_state_files(tag_dir, stage, 0)[0]
+    state = z._load(path)
+    info = state.get(UNIVERSAL_CHECKPOINT_INFO)
+    if stage == 3:
+        info = info or {}
+    elif state.get("pipeline_parts") is not None:
+        return None
+    elif info is None and inject_missing_state:
+        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+    if info is not None:
+        _validate_autotp_conversion_support(info)
+    return info
 
 
 def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_rank: int, mp_world: int,
@@ -286,11 +321,71 @@ def _convert_stage0_pipeline(input_folder: str, output_folder: str, strict: bool
     return output_folder
 
 
+def _get_optim_files(checkpoint_dir: str) -> list[str]:
+    """The tag folder's ``*_optim_states.pt`` files in natural order ([] without ZeRO)."""
+    from ds_zero import zero_to_fp32 as z
+
+    return z.get_optim_files(checkpoint_dir) if os.path.isdir(checkpoint_dir) and any(
+        name.endswith("_optim_states.pt") for name in os.listdir(checkpoint_dir)) else []
+
+
+def _filter_zero3_optim_files(optim_files: Sequence[str]) -> list[str]:
+    """The ZeRO rank files among ``optim_files`` (``[bf16_]zero_pp_rank_*``; not the MoE expert files)."""
+    return [f for f in optim_files if os.path.basename(f).startswith(("zero_pp_rank_", "bf16_zero_pp_rank_"))]
+
+
+def _get_zero_stage(optim_files: Sequence[str]) -> int:
+    """The ZeRO stage the first of ``optim_files`` records (1 when it records none: the bf16 optimizer's)."""
+    from ds_zero import zero_to_fp32 as z
+
+    section = z._optimizer_section(z._load(optim_files[0]), optim_files[0])
+    return int(section.get("zero_stage", 1))
+
+
+def _inject_missing_state(ds_checkpoint: Any) -> None:
+    """Give a checkpoint read without ``universal_checkpoint_info`` the default one (no merge patterns)."""
+    if ds_checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO) is None:
+        ds_checkpoint.global_state[UNIVERSAL_CHECKPOINT_INFO] = {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+
+
+def _check_for_required_state(ds_checkpoint: Any) -> None:
+    info = ds_checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
+    if info is None:
+        raise UniversalConversionError(
+            f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint {ds_checkpoint.dir}. Verify that "
+            "client creates this state, or pass --inject_missing_state (inject_missing_state=True)")
+    _validate_autotp_conversion_support(info)
+
+
+def _validate_autotp_conversion_support(universal_checkpoint_info: Mapping[str, Any]) -> None:
+    """Refuse parameters the model marked as laid out in a way the merge rules cannot describe (e.g. an
+    interleaved fused QKV): converting them would write wrong full tensors."""
+    unsupported = universal_checkpoint_info.get(AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS) or {}
+    if unsupported:
+        details = ", ".join(f"{pattern}: {reason}" for pattern, reason in sorted(unsupported.items()))
+        raise UniversalConversionError(f"AutoTP universal checkpoint conversion is not supported for {details}")
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    """DeepSpeed's checks before any file is written: a ZeRO-1/2 checkpoint holds ``universal_checkpoint_info``
+    (or ``--inject_missing_state``), and no parameter is marked unconvertible."""
+    optim_files = _get_optim_files(args.input_folder)
+    if not optim_files:  # without ZeRO: convert() reads the model states itself
+        return
+    if _get_zero_stage(_filter_zero3_optim_files(optim_files) or optim_files) <= 2:
+        ds_checkpoint = DeepSpeedCheckpoint(args.input_folder)
+        if getattr(args, "inject_missing_state", False):
+            _inject_missing_state(ds_checkpoint)
+        _check_for_required_state(ds_checkpoint)
+
+
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """Console entry (``ds_to_universal``) and DeepSpeed's ``main(args)``."""
     if args is None or isinstance(args, (list, tuple)):
         args = parse_arguments(args)
     print("Convert DeepSpeed Checkpoint to Universal Checkpoint")
+    _preflight(args)
     convert(args.input_folder, args.output_folder, inject_missing_state=getattr(args, "inject_missing_state", False),
             strict=getattr(args, "strict", True))
     return 0

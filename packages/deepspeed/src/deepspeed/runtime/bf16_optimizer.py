@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.fp16.legacy import LegacyMixedPrecision
+from ds_zero.optimizer_state import universal_checkpoint_info_of
 
 __all__ = ["BF16_Optimizer"]
 
@@ -38,8 +39,22 @@ class BF16_Optimizer(LegacyMixedPrecision):  # noqa: N801 - DeepSpeed's name
         self.grad_acc_dtype = torch.float32
         self.graph_harvesting = graph_harvesting
         self.has_moe_layers = has_moe_layers
+        self._enable_universal_checkpoint()
 
     @property
     def bf16_groups(self) -> list[list[torch.nn.Parameter]]:
-        """The model's bf16 parameters per group (DeepSpeed's name)."""
-        return self.fp16_groups
+        """The model's bf16 parameters per group (DeepSpeed's name; an attribute there, so it can be assigned:
+        the assigned lists are returned from then on)."""
+        pinned = self.__dict__.get("_bf16_groups")
+        return pinned if pinned is not None else self.fp16_groups
+
+    @bf16_groups.setter
+    def bf16_groups(self, groups: list[list[torch.nn.Parameter]]) -> None:
+        self.__dict__["_bf16_groups"] = groups
+
+    def _enable_universal_checkpoint(self) -> None:
+        """Cache the parameters' universal-checkpoint description (``param.universal_checkpoint_info``)."""
+        self._universal_checkpoint_info = universal_checkpoint_info_of(self.bf16_groups)
+
+    def _get_universal_checkpoint_info(self) -> Any:
+        return getattr(self, "_universal_checkpoint_info", None)
