@@ -38,3 +38,14 @@ def ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
 def output(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(input_ids=tokens, use_cache=False) if hasattr(model.config, "use_cache") else model(tokens)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def without_tp_plan(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with no Hugging Face tp_plan anywhere (config, instance, class: DeepSpeed merges the three), so
+    AutoTP falls back to its heuristics. The class plan is cleared on a per-instance subclass, not on the shared
+    transformers class."""
+    model.config.base_model_tp_plan = None
+    model._tp_plan = {}
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (cls,), {"_tp_plan": None, "__module__": cls.__module__})
+    return model

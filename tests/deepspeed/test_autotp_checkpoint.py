@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _autotp_models import tiny
+from _autotp_models import tiny, without_tp_plan
 from _harness import run_distributed
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
@@ -19,9 +19,7 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "para
 def _engine(tp: int, stage: int, universal: bool = False, kind: str = "llama"):
     import deepspeed
 
-    model = tiny(kind).train()
-    model.config.base_model_tp_plan = None  # AutoTP heuristics: embedding and projections sharded
-    model._tp_plan = {}
+    model = without_tp_plan(tiny(kind).train())  # AutoTP heuristics: embedding and projections sharded
     config = {**BASE, "zero_optimization": {"stage": stage}}
     if universal:
         config["checkpoint"] = {"load_universal": True}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _autotp_models import tiny
+from _autotp_models import tiny, without_tp_plan
 from _harness import run_distributed
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
@@ -16,9 +16,8 @@ STEPS = 3
 
 def _llama(plan: bool) -> torch.nn.Module:
     model = tiny("llama").train()
-    if not plan:  # no Hugging Face tp_plan: the config's and the model's (transformers 5 keeps both)
-        model.config.base_model_tp_plan = None
-        model._tp_plan = {}
+    if not plan:  # no Hugging Face tp_plan: the config's, the instance's and the class's
+        without_tp_plan(model)
     return model
 
 
@@ -179,9 +178,11 @@ def _data_and_tensor_parallel(tp: int, micro_batch: int) -> dict:
 def test_four_ranks_tensor_and_data_parallel_train_like_one_rank():
     want = run_distributed(_data_and_tensor_parallel, world_size=1, args=(1, 4), timeout=120)[0]
     results = run_distributed(_data_and_tensor_parallel, world_size=4, args=(2, 2), timeout=180)
+    # 5e-5: the split layers (the class plan's gathered lm_head too) sum in another order, and Adam (lr 1e-2) turns
+    # 1e-7 differences of near-zero gradients into ~1e-5 of the weights (measured up to 1.5e-5; one step is 1e-2)
     for got in results:
         for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(got[name], value, rtol=0, atol=5e-5, msg=name)
 
 
 def test_data_groups_follow_the_given_tensor_groups():

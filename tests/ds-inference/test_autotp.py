@@ -133,8 +133,8 @@ def test_shard_sizes_follow_heads_then_grain():
     assert shard_sizes(320, meta, by_heads=False) == [192, 128]  # 5 grains of 64
     assert shard_sizes(200, meta, by_heads=False) == [128, 72]  # 3 grains + tail 8 on the last rank
     assert shard_sizes(33, meta, by_heads=False) == [17, 16]  # smaller than the grains: near even
-    with pytest.raises(ValueError, match="key/value heads"):
-        shard_sizes(16, ShardMeta(tp_size=4, num_kv_heads=2), by_heads=True)
+    # fewer heads than ranks: the trailing ranks hold none (DeepSpeed 0.19.8)
+    assert shard_sizes(16, ShardMeta(tp_size=4, num_kv_heads=2), by_heads=True) == [8, 8, 0, 0]
     layout = make_layout([4, 2, 2], ShardMeta(tp_size=2, num_kv_heads=2), by_heads=True)  # fused GQA q|k|v
     assert layout.pieces == (((0, 2), (4, 1), (6, 1)), ((2, 2), (5, 1), (7, 1)))
     full = torch.arange(8.0)
@@ -182,11 +182,12 @@ def test_every_layout_tiles_the_dimension(sub_sizes, tp, grain, heads, by_heads)
     try:
         layout = make_layout(sub_sizes, meta, by_heads=by_heads)
     except ValueError as exc:  # only when some rank would get nothing
-        assert "every rank needs a head" in str(exc) or "cannot shard" in str(exc)
+        assert "cannot shard" in str(exc)
         return
     full = torch.arange(float(sum(sub_sizes)))
     shards = [layout.take(full, rank, 0) for rank in range(tp)]
-    assert [len(s) for s in shards] == layout.sizes and all(layout.sizes)
+    # an empty shard only where whole heads are fewer than the ranks
+    assert [len(s) for s in shards] == layout.sizes and (all(layout.sizes) or (by_heads and heads < tp))
     assert sorted(torch.cat(shards).tolist()) == full.tolist()  # every entry exactly once
     for rank, shard in enumerate(shards):  # each sub-parameter contributes a contiguous piece, in order
         assert [length for _, length in layout.pieces[rank]] and len(layout.pieces[rank]) == len(sub_sizes)

@@ -4,7 +4,8 @@ Groups: ``autotp_size`` consecutive ranks form a tensor-parallel group, ranks at
 groups a data-parallel group (data parallel = world / autotp_size); they are registered as the mpu so
 ``deepspeed.utils.groups``, ZeRO (reduces over the data-parallel group) and gradient clipping (norm summed over
 the tensor group, replicated parameters counted once) all see them. Layer rules, by priority:
-``partition_config`` > the model's Hugging Face ``base_model_tp_plan`` > ``preset_model`` / AutoTP heuristics.
+``partition_config`` > the model's Hugging Face tp_plan (config, class and instance plans merged) > ``preset_model``
+/ AutoTP heuristics.
 Checkpoints keep full (gathered) weights in the model states, so they load into a model without TP or at
 another TP size (the weights; optimizer states by a plain load only at the saved size). The model states also
 record each sharded parameter's layout (``autotp_layouts``), so ``ds_to_universal`` puts values and optimizer
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from deepspeed.checkpoint.autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES
 from deepspeed.checkpoint.universal import stage0_optimizer
+from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
 from ds_config import ConfigError, ConfigProblem
 from ds_inference.autotp import (
     AutoTPPresets,
@@ -158,7 +160,6 @@ def layer_specs(model: torch.nn.Module, section: Any) -> list[TPLayerSpec] | Non
     """The rules by the documented priority (None: AutoTP heuristics). ``use_default_specs`` appends the
     ``preset_model`` specs after the custom ones (the spec: "when preset_model is provided"; without it the
     custom specs alone apply, as in DeepSpeed)."""
-    config = getattr(model, "config", None)
     preset_name = section.preset_model
     preset = AutoTPPresets.get_preset(preset_name) if preset_name else None
     custom = section.partition_config
@@ -170,7 +171,7 @@ def layer_specs(model: torch.nn.Module, section: Any) -> list[TPLayerSpec] | Non
         if custom.use_default_specs and preset is not None:
             specs += preset.layer_specs
         return specs
-    plan = getattr(config, "base_model_tp_plan", None) or getattr(model, "_tp_plan", None)
+    plan = _get_hf_tp_plan(model)  # config's base plan + the class's and instance's entries (lm_head)
     try:
         from_hf = hf_tp_plan_specs(plan)
     except ValueError as exc:

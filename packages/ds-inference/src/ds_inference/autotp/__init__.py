@@ -14,6 +14,7 @@ from ds_inference.autotp._layers import (
     LmHeadLinearAllreduce,
     Normalize,
     TensorParallel_Layer,
+    VocabParallelEmbedding,
     conv_LinearLayer,
 )
 from ds_inference.autotp._mode import get_auto_tp_mode, is_autotp_training_mode, set_autotp_mode
@@ -33,8 +34,8 @@ from ds_inference.autotp.sharding import ShardLayout, ShardMeta, make_layout, sh
 __all__ = [
     "AutoTP", "AutoTPConfig", "AutoTPPresets", "Conv_LinearALlreduce", "EmbeddingLayer", "HiddenParallelEmbedding",
     "LinearAllreduce", "LinearLayer", "LmHeadLinearAllreduce", "Normalize", "PartitionType", "Placement",
-    "ShardLayout", "ShardMeta", "TPLayerSpec", "TensorParallel_Layer", "autotp_shard", "conv_LinearLayer",
-    "full_state_dict", "get_auto_tp_mode", "hf_tp_plan_specs", "is_autotp_training_mode", "load_full_state_dict",
-    "make_layout", "merge_autotp_configs", "replace_transformer_layer", "revert_transformer_layer",
-    "set_autotp_mode", "shard_sizes", "tp_layers", "tp_plan",
+    "ShardLayout", "ShardMeta", "TPLayerSpec", "TensorParallel_Layer", "VocabParallelEmbedding", "autotp_shard",
+    "conv_LinearLayer", "full_state_dict", "get_auto_tp_mode", "hf_tp_plan_specs", "is_autotp_training_mode",
+    "load_full_state_dict", "make_layout", "merge_autotp_configs", "replace_transformer_layer",
+    "revert_transformer_layer", "set_autotp_mode", "shard_sizes", "tp_layers", "tp_plan",
 ]

@@ -174,6 +174,33 @@ class HiddenParallelEmbedding(TensorParallel_Layer):
         return gather_from_tp(local, self.output_sizes, self.tp_group)
 
 
+class VocabParallelEmbedding(TensorParallel_Layer):
+    """Embedding split along the vocabulary (Hugging Face's ``embedding_rowwise``), sharing its shard with the
+    tied output head ``head`` (a column-parallel :class:`LinearLayer` over the same weight): each rank looks up the
+    ids of its rows, zeros the others, and the partial embeddings are summed over the group."""
+
+    def __init__(self, module: nn.Embedding, head: LinearLayer, *, name: str | None = None) -> None:
+        super().__init__(head.tp_group, name)
+        if head.weight.shape[1] != module.embedding_dim or sum(head.output_sizes) != module.num_embeddings:
+            raise ValueError(f"{name}: the tied head's shard {tuple(head.weight.shape)} does not come from this "
+                             f"embedding ({module.num_embeddings} x {module.embedding_dim})")
+        self.weight = head.weight  # one shard, trained through both layers
+        self._tp_dims["weight"] = 0
+        self._tp_layouts["weight"] = head._tp_layouts["weight"]
+        sizes = head.output_sizes
+        self.vocab_start_index = sum(sizes[:self.tp_index])
+        self.vocab_end_index = self.vocab_start_index + sizes[self.tp_index]
+        pad = module.padding_idx
+        self.padding_idx = pad - self.vocab_start_index if pad is not None and (
+            self.vocab_start_index <= pad < self.vocab_end_index) else None
+        self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local = F.embedding((ids - self.vocab_start_index).masked_fill(outside, 0), self.weight, self.padding_idx)
+        return reduce_from_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+
+
 class EmbeddingLayer(nn.Module):
     """A plain (replicated) embedding built from a weight tensor, as DeepSpeed's ``EmbeddingLayer``."""
 

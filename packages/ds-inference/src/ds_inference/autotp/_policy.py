@@ -163,13 +163,50 @@ def block_placements(block_name: str, block: nn.Module, row_names: tuple[str, ..
     return placements
 
 
+def tied_vocab_pair(model: nn.Module, specs: Sequence[TPLayerSpec], model_type: str | None,
+                    output_head: nn.Module | None, tp_size: int) -> tuple[str, str] | None:
+    """``(head name, embedding name)`` when the output head shares its weight with an embedding that a
+    ``vocab_parallel`` spec (Hugging Face's ``embedding_rowwise``) names: both are then split along the vocabulary.
+
+    An embedding the vocabulary split cannot reproduce exactly (``max_norm``, ``scale_grad_by_freq``, ``sparse``, a
+    subclass with its own forward) or a vocabulary smaller than the group keeps the pair whole, with a warning, as
+    DeepSpeed does when it enables the split on its own."""
+    if output_head is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding = next((m for m in model.modules()
+                      if isinstance(m, nn.Embedding) and m.weight is output_head.weight), None)
+    if embedding is None:
+        return None
+    spec = next((s for s in specs if s.matches(f"{names[id(embedding)]}.weight", model_type)), None)
+    if spec is None or not spec.vocab_parallel:
+        return None
+    problem = None
+    if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+        problem = "max_norm, scale_grad_by_freq and sparse are not supported by a vocabulary split"
+    elif type(embedding).forward is not nn.Embedding.forward:
+        problem = f"{type(embedding).__name__} has its own forward"
+    elif embedding.num_embeddings < tp_size:
+        problem = f"a vocabulary of {embedding.num_embeddings} leaves ranks of the {tp_size} without rows"
+    if problem is not None:
+        warnings.warn(f"AutoTP: the tied embedding '{names[id(embedding)]}' and output head stay replicated despite "
+                      f"the 'embedding_rowwise' plan: {problem}", UserWarning, stacklevel=3)
+        return None
+    return names[id(output_head)], names[id(embedding)]
+
+
 def spec_placements(model: nn.Module, specs: Sequence[TPLayerSpec], model_type: str | None,
-                    output_head: nn.Module | None) -> dict[str, Placement]:
-    """Placement of every linear whose ``<name>.weight`` matches a spec (first match wins)."""
+                    output_head: nn.Module | None, vocab_pair: tuple[str, str] | None = None) -> dict[str, Placement]:
+    """Placement of every linear whose ``<name>.weight`` matches a spec (first match wins); the head of a
+    ``vocab_pair`` (:func:`tied_vocab_pair`) is split along the vocabulary with its output gathered, whatever its
+    own spec says."""
     placements = {}
     embedding_weights = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
         if not is_linear(module):
+            continue
+        if vocab_pair is not None and name == vocab_pair[0]:
+            placements[name] = Placement("column", (features(module)[1],), False, gather_output=True)
             continue
         spec = next((s for s in specs if s.matches(f"{name}.weight", model_type)), None)
         if spec is None or spec.partition_type is PartitionType.SKIP:

@@ -3,6 +3,7 @@ full-weight gather/load that checkpoints need."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from ds_inference.autotp._policy import (
     head_counts,
     is_conv1d,
     spec_placements,
+    tied_vocab_pair,
 )
 from ds_inference.autotp._specs import TPLayerSpec
 from ds_inference.autotp.sharding import ShardMeta, make_layout, shard_sizes
@@ -48,12 +50,18 @@ def autotp_shard(model: nn.Module, tp_group: dist.ProcessGroup | None, *,
     config = getattr(model, "config", None)
     _, kv_heads, _ = head_counts(config)
     meta = ShardMeta(tp_size=tp_size, num_kv_heads=kv_heads, tp_grain_size=tp_grain_size)
+    if kv_heads is not None and kv_heads < tp_size:
+        warnings.warn(f"AutoTP: tp_size={tp_size} exceeds the model's {kv_heads} key/value heads; the ranks beyond "
+                      "them hold no attention shard (outputs stay exact, attention does not scale past the head "
+                      "count)", UserWarning, stacklevel=2)
     device = None if keep_module_on_host or not torch.cuda.is_available() else torch.device(
         "cuda", torch.cuda.current_device())
     output_head = _output_head(model)
+    vocab_pair = None
     if layer_specs is not None:
         model_type = getattr(config, "model_type", None)
-        placements = spec_placements(model, list(layer_specs), model_type, output_head)
+        vocab_pair = tied_vocab_pair(model, list(layer_specs), model_type, output_head, tp_size)
+        placements = spec_placements(model, list(layer_specs), model_type, output_head, vocab_pair)
     else:
         placements = {}
         for block_name, block, rows in list(find_blocks(model, injection_policy)):
@@ -72,8 +80,12 @@ def autotp_shard(model: nn.Module, tp_group: dist.ProcessGroup | None, *,
             attention_parents.add(parent)
     for parent in sorted(attention_parents):
         _scale_head_attributes(modules[parent], meta, dist.get_rank(group=tp_group))
+    if vocab_pair is not None:
+        head_name, embedding_name = vocab_pair
+        _replace(model, embedding_name, L.VocabParallelEmbedding(modules[embedding_name],
+                                                                 model.get_submodule(head_name), name=embedding_name))
     if shard_embeddings if shard_embeddings is not None else layer_specs is None:
-        _shard_embeddings(model, meta, tp_group, device, skip=set(placements))
+        _shard_embeddings(model, meta, tp_group, device, skip=set(placements) | set(vocab_pair or ()))
     if layer_specs is not None:
         _sum_replicated_grads(model, list(layer_specs), getattr(config, "model_type", None), tp_group)
     return model

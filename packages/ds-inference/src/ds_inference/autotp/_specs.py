@@ -31,6 +31,8 @@ class TPLayerSpec:
     ``gather_output`` (column): the output shards are all-gathered so every rank sees the whole output (Hugging
     Face's ``colwise_gather_output``). ``grad_allreduce`` (skip): the weight stays whole but is applied to sharded
     activations, so its gradient is summed over the tensor-parallel group (``replicated_with_grad_allreduce``).
+    ``vocab_parallel`` (skip, an embedding; Hugging Face's ``embedding_rowwise``): the embedding stays whole, unless
+    the output head shares its weight, in which case both are split along the vocabulary and share one shard.
     """
 
     patterns: list[str]
@@ -40,6 +42,7 @@ class TPLayerSpec:
     model_types: list[str] | None = None
     gather_output: bool = False
     grad_allreduce: bool = False
+    vocab_parallel: bool = False
     _compiled: list[re.Pattern] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -206,8 +209,10 @@ class AutoTPPresets:
         return build() if build else None
 
 
-# Hugging Face tp_plan styles AutoTP builds (``colwise_rep`` is the older name of ``colwise_gather_output``)
-SUPPORTED_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce")
+# Hugging Face tp_plan styles AutoTP builds (``colwise_rep`` is the older name of ``colwise_gather_output``;
+# transformers adds ``embedding_rowwise`` for the input embedding of many models)
+SUPPORTED_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce",
+                    "embedding_rowwise")
 
 
 def check_styles(plan: Mapping[str, str]) -> None:
@@ -229,6 +234,8 @@ def style_spec(pattern: str, style: str) -> TPLayerSpec:
                            gather_output=style != "colwise")
     if style == "rowwise":
         return TPLayerSpec(patterns=[pattern], partition_type=PartitionType.ROW)
+    if style == "embedding_rowwise":
+        return TPLayerSpec(patterns=[pattern], partition_type=PartitionType.SKIP, vocab_parallel=True)
     return TPLayerSpec(patterns=[pattern], partition_type=PartitionType.SKIP, grad_allreduce=True)
 
 

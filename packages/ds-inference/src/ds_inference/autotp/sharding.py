@@ -26,13 +26,12 @@ class ShardMeta:
 
 
 def shard_sizes(total: int, meta: ShardMeta, *, by_heads: bool) -> list[int]:
-    """Per-rank sizes of a ``total``-long dimension: whole kv heads for attention widths (``by_heads``),
-    else multiples of ``tp_grain_size`` (the remainder goes to the last rank), near-even when too small."""
+    """Per-rank sizes of a ``total``-long dimension: whole kv heads for attention widths (``by_heads``; with fewer
+    heads than ranks the trailing ranks get none, their row-parallel share of the output is zero), else multiples
+    of ``tp_grain_size`` (the remainder goes to the last rank), near-even when too small."""
     tp = meta.tp_size
     heads = meta.num_kv_heads
     if by_heads and heads and total % heads == 0:
-        if heads < tp:
-            raise ValueError(f"cannot shard {heads} key/value heads over tp_size={tp}: every rank needs a head")
         per_rank = [heads // tp + (1 if r < heads % tp else 0) for r in range(tp)]
         return [total * n // heads for n in per_rank]
     grain = meta.tp_grain_size
