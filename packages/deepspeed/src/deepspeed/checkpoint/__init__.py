@@ -6,6 +6,7 @@ from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
 from deepspeed.checkpoint.reshape_3d_utils import get_model_3d_descriptor, model_3d_desc
 from deepspeed.checkpoint.reshape_meg_2d import reshape_meg_2d_parallel
 from deepspeed.checkpoint.reshape_utils import merge_state
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape  # noqa: F401 - allowed in weights_only loads
 from deepspeed.checkpoint.utils import (
     clone_tensors_for_torch_save,
     get_layer_ckpt_name_for_rank,

@@ -68,6 +68,10 @@ class SubparamShape:
     partition_dim: int
 
 
+# plain data (lists, tuples, ints): universal files holding one still load with torch.load(weights_only=True)
+torch.serialization.add_safe_globals([SubparamShape])
+
+
 def _get_param_uc_restore_meta(param: Any) -> Mapping[str, Any] | None:
     """The AutoTP restore description attached to ``param`` (its top-level keys drive the cut; ``conversion``
     holds what the converter needs), or None for a parameter without one."""
