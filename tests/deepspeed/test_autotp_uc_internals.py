@@ -261,3 +261,35 @@ def test_optimizers_cache_the_parameters_universal_checkpoint_info():
     bf16.bf16_groups = [[_param((2,))]]
     bf16._enable_universal_checkpoint()
     assert bf16._get_universal_checkpoint_info() is None
+
+
+def test_autotp_layouts_become_deepspeed_rules_that_merge_like_the_layouts():
+    """Our AutoTP checkpoints also carry DeepSpeed's rules (for its converter): merging by them gives what merging
+    by our exact layouts gives; a layout they cannot express is marked unsupported."""
+    from deepspeed.checkpoint.autotp_universal import assemble, universal_checkpoint_info
+    from deepspeed.checkpoint.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS as UNSUPPORTED
+
+    layouts = {
+        "qkv.weight": {"dim": 0, "full": 12, "pieces": [[[0, 4], [6, 2], [9, 2]], [[4, 2], [8, 1], [11, 1]]]},
+        "o.weight": {"dim": 1, "full": 7, "pieces": [[[0, 4]], [[4, 3]]]},
+        "up.weight": {"dim": 0, "full": 5, "pieces": [[[0, 3]], [[3, 2]]]},
+        "odd.weight": {"dim": 0, "full": 4, "pieces": [[[2, 2]], [[0, 2]]]},  # rank 1 holds the first half
+    }
+    fulls = {"qkv.weight": torch.randn(12, 5), "o.weight": torch.randn(5, 7), "up.weight": torch.randn(5, 5),
+             "norm.weight": torch.randn(5)}
+    shapes = {"qkv.weight": (8, 5), "o.weight": (5, 4), "up.weight": (3, 5), "odd.weight": (2, 5), "norm.weight": (5,)}
+    info = universal_checkpoint_info(layouts, shapes)
+    assert info[TP_REPLICATED_PARAMETER_PATTERNS] == [r"^norm\.weight$"]
+    assert info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^o\.weight$"]
+    assert info[SUB_PARAM_SHARD_WIDTHS] == {r"^qkv\.weight$": [[4, 2], [2, 1], [2, 1]]}
+    assert list(info[UNSUPPORTED]) == [r"^odd\.weight$"]
+    rules = MergeRules(info)
+    for name, full in fulls.items():
+        layout = layouts.get(name)
+        if layout is None:
+            slices = [full, full]
+        else:
+            slices = [torch.cat([full.narrow(layout["dim"], s, n) for s, n in rank], dim=layout["dim"])
+                      for rank in layout["pieces"]]
+        assert torch.equal(rules.merge(name, slices)[PARAM], assemble(slices, layout)), name
+        assert torch.equal(assemble(slices, layout), full)

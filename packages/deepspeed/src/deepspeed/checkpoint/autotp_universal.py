@@ -14,6 +14,7 @@ its shard at load) or without tensor parallelism.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,61 @@ def assemble(shards: Sequence[torch.Tensor], layout: Mapping[str, Any] | None) -
         if cursor != shard.shape[dim]:
             raise ValueError(f"a shard of {shard.shape[dim]} entries along dim {dim}, its layout covers {cursor}")
     return full
+
+
+def _rank_widths(layout: Mapping[str, Any]) -> list[list[int]] | None:
+    """``widths[i][r]``: rank ``r``'s length of sub-parameter ``i`` when every rank holds one piece of each
+    sub-parameter and the pieces tile each sub-parameter in rank order (what DeepSpeed's rules can describe);
+    None otherwise."""
+    pieces = layout["pieces"]
+    count = len(pieces[0])
+    if any(len(rank) != count for rank in pieces):
+        return None
+    widths, cursor = [], 0
+    for i in range(count):
+        widths.append([int(rank[i][1]) for rank in pieces])
+        for rank in pieces:
+            if int(rank[i][0]) != cursor and int(rank[i][1]):
+                return None
+            cursor += int(rank[i][1])
+    return widths if cursor == int(layout["full"]) else None
+
+
+def universal_checkpoint_info(layouts: Mapping[str, Mapping[str, Any]],
+                              shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """DeepSpeed's ``universal_checkpoint_info`` merge rules for an AutoTP model, from its ``autotp_layouts`` and
+    the shapes of all its trained parameters (``shapes``: name -> this rank's shape), so DeepSpeed's converter
+    (and ours, for checkpoints without layouts) merges its slices: one TP-replicated pattern per unsharded
+    parameter, a row-parallel one per parameter split along dim 1, fused ones (QKV, gate/up) as sub-parameters
+    with each rank's widths; a layout the rules cannot express is listed as unsupported, never merged wrongly."""
+    from deepspeed.checkpoint import constants as c
+
+    info: dict[str, Any] = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+                            c.TP_REPLICATED_PARAMETER_PATTERNS: [], c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
+                            c.PARAMETER_WITH_SUB_PARAMS: [], c.SUB_PARAM_SHARD_WIDTHS: {}}
+    unsupported: dict[str, str] = {}
+    for name, shape in shapes.items():
+        pattern = f"^{re.escape(name)}$"
+        layout = layouts.get(name)
+        if layout is None:
+            info[c.TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
+            continue
+        dim, widths = int(layout["dim"]), _rank_widths(layout)
+        if widths is None or dim > 1:
+            unsupported[pattern] = (f"{name} is split along dim {dim} in pieces {layout['pieces']} that DeepSpeed's "
+                                    "merge rules cannot describe")
+        elif len(widths) > 1:
+            spec: list[Any] = [-1] * len(shape)
+            spec[dim] = tuple(sum(w) for w in widths)
+            if len(shape) > 2:  # one placeholder at most: the other dimensions are the shard's own
+                spec = [d if i == dim else int(shape[i]) for i, d in enumerate(spec)]
+            info[c.PARAMETER_WITH_SUB_PARAMS].append({"patterns": [pattern], "shape": spec, "partition_dim": dim})
+            info[c.SUB_PARAM_SHARD_WIDTHS][pattern] = widths
+        elif dim == 1:
+            info[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
+    if unsupported:
+        info[c.AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS] = unsupported
+    return info
 
 
 def convert_autotp(input_folder: str, output_folder: str, mp_ranks: list[int], inject_missing_state: bool,

@@ -349,13 +349,16 @@ def _inject_missing_state(ds_checkpoint: Any) -> None:
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
 
 
-def _check_for_required_state(ds_checkpoint: Any) -> None:
+def _check_for_required_state(ds_checkpoint: Any, exact_layouts: bool = False) -> None:
+    """The checkpoint holds ``universal_checkpoint_info`` and (unless ``exact_layouts``: our AutoTP checkpoints,
+    merged by their recorded ``autotp_layouts`` rather than by these rules) marks no parameter unconvertible."""
     info = ds_checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
     if info is None:
         raise UniversalConversionError(
             f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint {ds_checkpoint.dir}. Verify that "
             "client creates this state, or pass --inject_missing_state (inject_missing_state=True)")
-    _validate_autotp_conversion_support(info)
+    if not exact_layouts:
+        _validate_autotp_conversion_support(info)
 
 
 def _validate_autotp_conversion_support(universal_checkpoint_info: Mapping[str, Any]) -> None:
@@ -377,7 +380,7 @@ def _preflight(args: argparse.Namespace) -> None:
         ds_checkpoint = DeepSpeedCheckpoint(args.input_folder)
         if getattr(args, "inject_missing_state", False):
             _inject_missing_state(ds_checkpoint)
-        _check_for_required_state(ds_checkpoint)
+        _check_for_required_state(ds_checkpoint, exact_layouts=_autotp_size(args.input_folder) > 1)
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:

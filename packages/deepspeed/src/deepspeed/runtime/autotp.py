@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed.checkpoint.autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES
+from deepspeed.checkpoint.autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES, universal_checkpoint_info
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.checkpoint.universal import stage0_optimizer
 from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
 from ds_config import ConfigError, ConfigProblem
@@ -251,7 +252,10 @@ class AutoTPCheckpointShards:
         return stage0_optimizer(getattr(self._engine(), "optimizer", None), self.module)
 
     def model_state_extras(self) -> dict[str, Any]:
-        extras = {"autotp_size": self.tp_size, AUTOTP_LAYOUTS: autotp_layouts(self.module)}
+        layouts = autotp_layouts(self.module)
+        shapes = {n: tuple(p.shape) for n, p in self.module.named_parameters() if p.requires_grad}
+        extras = {"autotp_size": self.tp_size, AUTOTP_LAYOUTS: layouts,  # DeepSpeed's merge rules too:
+                  UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(layouts, shapes)}
         stage0 = self._stage0_optimizer()
         if stage0 is not None:  # ds_to_universal finds each parameter's moments by these names
             extras[AUTOTP_PARAM_NAMES] = stage0[2]
