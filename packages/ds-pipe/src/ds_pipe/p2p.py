@@ -54,6 +54,11 @@ class PipelineAbort(RuntimeError):
         super().__init__(message)
         self.from_rank = from_rank
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        # multiprocessing re-raises a worker's error in the parent by unpickling it: rebuild through this
+        # __init__ (an unpicklable exception kills the pool's result thread and the parent waits forever)
+        return type(self), (str(self), self.from_rank), dict(self.__dict__)
+
 
 class PipelineShapeError(RuntimeError):
     """A stage's activations changed shape after the first micro-batch without ``dynamic_shape``."""

@@ -185,8 +185,7 @@ class ZeroCheckpointShards:
         base = sd[BASE_STATE].get("state", {}) if isinstance(sd[BASE_STATE], dict) else {}
         for g, (fg, master) in enumerate(zip(opt.groups, sd[FP32_GROUPS], strict=True)):
             sizes = (fg.layout.partition_numel, fg.layout.partition_numel - paddings[g])
-            tensors = {FP32_GROUPS: master, **{f"{BASE_STATE} {key!r}": value for key, value in base.get(g, {}).items()
-                                                if torch.is_tensor(value) and value.dim() >= 1}}
+            tensors = {FP32_GROUPS: master, **per_element_states(opt, g, master, base.get(g, {}), sizes, BASE_STATE)}
             check_partition_sizes(ctx.tag_dir, names[0], g, tensors, sizes)
 
     def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:
@@ -260,6 +259,21 @@ class ZeroCheckpointShards:
                              f"for {ctx.parallel.dp_world_size} ranks; load it on {saved_world}")
         return [{"names": list(group), "numels": [int(torch.Size(s).numel()) for s in group.values()],
                  "alignment": nccl_alignment(saved_world)} for group in shapes]
+
+
+def per_element_states(opt: Any, g: int, master: Any, saved: Mapping[Any, Any], sizes: tuple[int, ...],
+                       label: str) -> dict[str, torch.Tensor]:
+    """The saved optimizer states of group ``g`` that hold one value per partition element (Adam's moments), named
+    for errors: those with the saved master's size, or that this optimizer keeps so. Others are per group (a client
+    optimizer's step counter as a tensor) and need no partition size."""
+    try:
+        live = opt.optimizer.state.get(opt.optimizer.param_groups[g]["params"][0], {})
+    except (AttributeError, IndexError, KeyError, TypeError):
+        live = {}
+    return {f"{label} {key!r}": value for key, value in saved.items()
+            if torch.is_tensor(value) and value.dim() >= 1
+            and (not torch.is_tensor(master) or value.numel() == master.numel()
+                 or (torch.is_tensor(live.get(key)) and live[key].numel() in sizes))}
 
 
 def file_error(tag_dir: str, name: str, reason: str) -> ValueError:

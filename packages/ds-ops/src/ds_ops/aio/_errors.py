@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AioError(OSError):
     """An I/O request failed or could not start.
@@ -20,6 +22,12 @@ class AioError(OSError):
         self.operation = operation
         self.path = path
         self.detail = message
+        self._given = (operation, path, err, detail)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        # multiprocessing re-raises a worker's error in the parent by unpickling it: rebuild through this
+        # __init__ (an unpicklable exception kills the pool's result thread and the parent waits forever)
+        return type(self), self._given, dict(self.__dict__)
 
     def __str__(self) -> str:
         return self.detail

@@ -87,7 +87,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
 
     def _check_states(self, ctx: Any, names: list[str], states: list[dict[str, Any]], same_layout: bool) -> None:
         """Stage 3's keys and group count in every file; on the same layout, partition sizes of this rank's."""
-        from ds_zero.checkpoint import check_partition_sizes, file_error
+        from ds_zero.checkpoint import check_partition_sizes, file_error, per_element_states
         from ds_zero.zero3.checkpoint import BASE_STATE, FP32_GROUPS, _check, _same_layout
 
         opt = self.optimizer
@@ -100,8 +100,8 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
             return
         base = states[0][BASE_STATE].get("state", {}) if isinstance(states[0][BASE_STATE], dict) else {}
         for g, (group, master) in enumerate(zip(opt.groups, states[0][FP32_GROUPS], strict=True)):
-            tensors = {FP32_GROUPS: master, **{f"{BASE_STATE} {key!r}": value for key, value in base.get(g, {}).items()
-                                                if torch.is_tensor(value) and value.dim() >= 1}}
+            tensors = {FP32_GROUPS: master, **per_element_states(opt, g, master, base.get(g, {}), (group.numel,),
+                                                                    BASE_STATE)}
             check_partition_sizes(ctx.tag_dir, names[0], g, tensors, (group.numel,))
 
     def load_universal(self, ctx: Any, load: Callable[[str], Any]) -> None:

@@ -5,6 +5,8 @@ Bad arguments (``save_dir=None``) are plain ``ValueError``s, raised on every ran
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded."""
@@ -35,6 +37,11 @@ class CorruptCheckpointError(CheckpointError):
         self.checkpoint_path = path
         self.reason = reason
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        # multiprocessing re-raises a worker's error in the parent by unpickling it: rebuild through this
+        # __init__ (an unpicklable exception kills the pool's result thread and the parent waits forever)
+        return type(self), (str(self), self.checkpoint_path, self.reason), dict(self.__dict__)
+
 
 class CheckpointRankError(CheckpointError):
     """A collective checkpoint call failed on some ranks; raised on every rank with the same message.
@@ -47,6 +54,11 @@ class CheckpointRankError(CheckpointError):
     def __init__(self, message: str, op: str, phase: str, rank: int, failures: dict) -> None:
         super().__init__(message)
         self.op, self.phase, self.rank, self.failures = op, phase, rank, failures
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        # multiprocessing re-raises a worker's error in the parent by unpickling it: rebuild through this
+        # __init__ (an unpicklable exception kills the pool's result thread and the parent waits forever)
+        return type(self), (str(self), self.op, self.phase, self.rank, self.failures), dict(self.__dict__)
 
 
 class UnsafeCheckpointError(CheckpointError):
