@@ -157,8 +157,9 @@ def test_one_cycle_phases_decay_and_adam_betas():
                        decay_lr_rate=0.5, decay_mom_rate=0.1)
     # up: 0.1 + 0.9 * (i + 1) / 4; down: 1.0 - 0.9 * (i + 1 - 4) / 2; decay: 0.1 / (1 + 0.5 * n / 2), n = i - 5
     expected_lr = {-1: 0.1, 0: 0.325, 3: 1.0, 4: 0.55, 5: 0.1, 6: 0.1 / 1.25, 8: 0.1 / 1.75}
-    # momentum mirrors it: 0.9 - 0.1 * scale; decay 0.9 * (1 + 0.1 * n / 2)
-    expected_mom = {-1: 0.9, 0: 0.875, 3: 0.8, 4: 0.85, 5: 0.9, 6: 0.9 * 1.05, 8: 0.9 * 1.15}
+    # momentum mirrors it: 0.9 - 0.1 * scale; decay 0.9 * (1 + 0.1 * n / 2); before the first step the groups
+    # hold cycle_min_mom, as DeepSpeed writes at construction
+    expected_mom = {-1: 0.8, 0: 0.875, 3: 0.8, 4: 0.85, 5: 0.9, 6: 0.9 * 1.05, 8: 0.9 * 1.15}
     got_mom = {-1: opt.param_groups[0]["betas"]}
     for it in range(9):
         sched.step()
@@ -192,7 +193,7 @@ def test_one_cycle_sgd_momentum_and_groups():
     opt = _optimizer("sgd_momentum", lrs=(0.5, 0.5))
     sched = L.OneCycle(opt, [0.1, 0.2], [1.0, 2.0], cycle_first_step_size=2, cycle_min_mom=[0.8, 0.5],
                        cycle_max_mom=[0.9, 0.7])
-    assert [g["momentum"] for g in opt.param_groups] == pytest.approx([0.9, 0.7])
+    assert [g["momentum"] for g in opt.param_groups] == pytest.approx([0.8, 0.5])  # cycle_min_mom until a step
     sched.step()  # t = 1 of 2: half-way up
     assert sched.get_last_lr() == pytest.approx([0.55, 1.1])
     assert [g["momentum"] for g in opt.param_groups] == pytest.approx([0.85, 0.6])
@@ -489,7 +490,10 @@ def test_one_cycle_matches_deepspeed_arithmetic(first, second, first_stairs, sec
     else:
         scale = 0.0  # past the cycle, no decay configured: DeepSpeed holds cycle_min_lr / cycle_max_mom
     assert sched.get_last_lr() == pytest.approx([0.1 + 0.9 * scale], abs=1e-12)
-    assert sched.get_mom() == [(pytest.approx(0.9 - 0.1 * scale, abs=1e-12), 0.999)]
+    # before the first step (-1) the momentum is cycle_min_mom, what DeepSpeed's constructor writes (only an
+    # explicit step(-1) in DeepSpeed recomputes cycle_max_mom there)
+    mom = 0.8 if iteration < 0 else 0.9 - 0.1 * scale
+    assert sched.get_mom() == [(pytest.approx(mom, abs=1e-12), 0.999)]
 
 
 def test_one_cycle_without_a_second_half():
@@ -504,7 +508,7 @@ def test_one_cycle_get_mom_pairs_per_group_lists():
     opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.ones(2))], "betas": (0.9, 0.999)},
                             {"params": [torch.nn.Parameter(torch.ones(2))], "betas": (0.85, 0.95)}], lr=0.1)
     sched = L.OneCycle(opt, 0.1, 1.0, cycle_first_step_size=2, cycle_min_mom=[0.8, 0.5], cycle_max_mom=[0.9, 0.7])
-    assert sched.get_mom() == [(0.9, 0.999), (0.7, 0.95)]
+    assert sched.get_mom() == [(0.8, 0.999), (0.5, 0.95)]  # cycle_min_mom before the first step, as DeepSpeed
     sched.step()  # half-way up: beta1 half-way down, each group between its own bounds
     assert sched.get_mom() == [(pytest.approx(0.85), 0.999), (pytest.approx(0.6), 0.95)]
     assert [g["betas"] for g in opt.param_groups] == sched.get_mom()
@@ -514,17 +518,18 @@ def test_one_cycle_get_mom_pairs_per_group_lists():
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_tensor_learning_rates_stay_tensors(name):
-    # DeepSpeed's update_lr: a group whose lr is a tensor gets torch.tensor([lr], device=old.device)
+    # DeepSpeed's update_lr: a group whose lr is a tensor keeps that tensor, the rate written into it in place
     cls, kwargs = SCHEDULES[name]
     param = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.Adam([param], lr=torch.tensor(0.05))
+    given = torch.tensor(0.05, dtype=torch.float64)
+    opt = torch.optim.Adam([param], lr=given)
     sched = cls(opt, **kwargs)
     for _ in range(5):
         param.grad = torch.ones(2)
         opt.step()
         sched.step()
         lr = opt.param_groups[0]["lr"]
-        assert torch.is_tensor(lr) and lr.shape == (1,) and lr.device == param.device
+        assert lr is given and lr.shape == () and lr.dtype == torch.float64
         assert lr.item() == pytest.approx(sched.get_lr()[0])
         assert sched.get_last_lr() == [lr]
     float_opt = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.05)

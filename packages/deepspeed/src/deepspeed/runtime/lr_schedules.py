@@ -143,13 +143,15 @@ def get_torch_optimizer(optimizer: Any) -> Any:
 def update_lr(param_groups: Sequence[dict], lrs: Sequence[float]) -> list[Any]:
     """Write ``lrs`` into the parameter groups; returns the rates now in the groups.
 
-    A group whose learning rate is a tensor keeps a tensor, as in DeepSpeed: the new rate is written as a
-    fresh one-element tensor on the old one's device (``torch.tensor([lr], device=...)``).
+    A group whose learning rate is a tensor keeps that very tensor, as in DeepSpeed: the new rate is written into
+    it in place (its shape, dtype and device stay; whoever holds it, a compiled step or a capturing graph,
+    sees the new rate).
     """
     for group, lr in zip(param_groups, lrs, strict=False):
         if torch.is_tensor(group["lr"]):
-            lr = torch.tensor([lr], device=group["lr"].device)
-        group["lr"] = lr
+            group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+        else:
+            group["lr"] = lr
     return [group["lr"] for group in param_groups]
 
 
@@ -314,6 +316,10 @@ class OneCycle(_Schedule):
         return [lo / factor for lo in self.min_lrs]
 
     def _moms_at(self, iteration: int) -> list[float]:
+        if iteration < 0:
+            # as DeepSpeed's constructor writes: cycle_min_mom before the first step, so the first optimizer step
+            # uses the momentum DeepSpeed's does
+            return list(self.min_moms)
         if iteration < self.total_size:
             scale = self._scale_factor(iteration)
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
