@@ -293,3 +293,45 @@ def test_autotp_layouts_become_deepspeed_rules_that_merge_like_the_layouts():
                       for rank in layout["pieces"]]
         assert torch.equal(rules.merge(name, slices)[PARAM], assemble(slices, layout)), name
         assert torch.equal(assemble(slices, layout), full)
+
+
+def _save_autotp_gpt2(save_dir: str) -> bool:
+    from _autotp_models import tiny, without_tp_plan
+
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
+    engine = deepspeed.initialize(model=without_tp_plan(tiny("gpt2").train()), config=config)[0]
+    tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(input_ids=tokens, labels=tokens, use_cache=False).loss)
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    return True
+
+
+def test_our_autotp_checkpoint_converts_without_injected_state_and_its_rules_agree(tmp_path):
+    """An AutoTP gpt2 (fused QKV in Conv1D) ZeRO-1 checkpoint: ds_to_universal needs no --inject_missing_state,
+    and a conversion by the DeepSpeed rules it carries alone (strict: every pattern used) writes the same files
+    as ours by the exact layouts."""
+    from _harness import run_distributed
+
+    from deepspeed.checkpoint.autotp_universal import convert_tp_by_rules
+
+    assert run_distributed(_save_autotp_gpt2, world_size=2, args=(str(tmp_path),), timeout=120) == [True, True]
+    tag = str(tmp_path / "t")
+    ds_to_universal.main(["--input_folder", tag, "--output_folder", str(tmp_path / "by_layouts")])
+    info = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=True)[UNIVERSAL_CHECKPOINT_INFO]
+    assert info[SUB_PARAM_SHARD_WIDTHS] and not info.get(AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS)
+    convert_tp_by_rules(tag, str(tmp_path / "by_rules"), [0, 1], info, strict=True)
+    names = sorted(os.listdir(tmp_path / "by_rules" / "zero"))
+    assert "transformer.h.0.attn.c_attn.weight" in names
+    for name in names:
+        if name.endswith(".pt"):
+            continue
+        for file in sorted(os.listdir(tmp_path / "by_rules" / "zero" / name)):
+            ours = torch.load(tmp_path / "by_layouts" / "zero" / name / file, weights_only=True)
+            rules = torch.load(tmp_path / "by_rules" / "zero" / name / file, weights_only=True)
+            if isinstance(ours, dict):
+                ours, rules = ours[PARAM], rules[PARAM]
+            assert torch.equal(ours, rules), (name, file)
