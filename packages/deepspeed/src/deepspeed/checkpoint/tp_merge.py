@@ -132,6 +132,8 @@ class MergeRules:
             _require(pattern in self.widths, f"Universal checkpoint version {self.version} records no "
                                              f"{SUB_PARAM_SHARD_WIDTHS} for {name}, whose pattern {pattern} "
                                              "declares sub-parameters")
+            _require(isinstance(spec, (tuple, list)), f"{name}: version {self.version} metadata gives the "
+                                                      f"sub-parameter count {spec!r}, not their widths")
             return tuple(spec), self.widths[pattern], shape
         if isinstance(spec, (tuple, list)):
             sizes = tuple(spec)
