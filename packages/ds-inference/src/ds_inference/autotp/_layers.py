@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_inference.autotp._comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
-from ds_inference.autotp.sharding import ShardLayout
+from ds_inference.autotp.sharding import ShardLayout, ShardMeta, make_layout
 
 
 def _weight_of(module: nn.Module) -> torch.Tensor:
@@ -21,6 +21,16 @@ def _weight_of(module: nn.Module) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"cannot shard {type(module).__name__}: it has no weight tensor")
     return weight
+
+
+def _layout_or_default(layout: ShardLayout | None, module: nn.Module, dim: int,
+                       tp_group: dist.ProcessGroup | None) -> ShardLayout:
+    """``layout``, or (a layer built by hand, as DeepSpeed's ``LinearLayer(module, mp_group)``) the split of
+    DeepSpeed's ``get_shard_size_list`` without head counts: near-even, the larger shards first."""
+    if layout is not None:
+        return layout
+    meta = ShardMeta(tp_size=dist.get_world_size(group=tp_group))
+    return make_layout([_weight_of(module).shape[dim]], meta, by_heads=False)
 
 
 class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
@@ -91,10 +101,12 @@ class LinearLayer(TensorParallel_Layer):
 
     transposed = False
 
-    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None, layout: ShardLayout, *,
-                 name: str | None = None, gather_output: bool = False, device: torch.device | None = None) -> None:
+    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None, layout: ShardLayout | None = None,
+                 *, name: str | None = None, gather_output: bool = False,
+                 device: torch.device | None = None) -> None:
         super().__init__(tp_group, name)
         out_dim = 1 if self.transposed else 0
+        layout = _layout_or_default(layout, module, out_dim, tp_group)
         self._register_shard("weight", _weight_of(module), out_dim, layout, device)
         self._register_shard("bias", getattr(module, "bias", None), 0, layout, device)
         if gather_output and any(len(p) > 1 for p in layout.pieces):
@@ -118,10 +130,11 @@ class LinearAllreduce(TensorParallel_Layer):
 
     transposed = False
 
-    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None, layout: ShardLayout, *,
-                 name: str | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None, layout: ShardLayout | None = None,
+                 *, name: str | None = None, device: torch.device | None = None) -> None:
         super().__init__(tp_group, name)
         in_dim = 0 if self.transposed else 1
+        layout = _layout_or_default(layout, module, in_dim, tp_group)
         self._register_shard("weight", _weight_of(module), in_dim, layout, device)
         self._register_shard("bias", getattr(module, "bias", None), None, None, device)
         self.input_sizes = tuple(layout.sizes)
