@@ -50,6 +50,7 @@ CASES: dict[str, tuple[dict, str]] = {
     "stage1-bf16": ({"zero_optimization": _zero(1), "bf16": {"enabled": True}}, "mlp"),
     "stage1-fp32": ({"zero_optimization": _zero(1)}, "mlp"),
     "stage2-fp32": ({"zero_optimization": _zero(2)}, "mlp"),
+    "stage2-bf16": ({"zero_optimization": _zero(2), "bf16": {"enabled": True}}, "mlp"),
     "stage2-fp16": ({"zero_optimization": _zero(2), "fp16": {"enabled": True, "initial_scale_power": 8}}, "mlp"),
     "stage2-offload": ({"zero_optimization": _zero(2, offload_optimizer={"device": "cpu"}),
                         "zero_force_ds_cpu_optimizer": False}, "mlp"),
@@ -83,6 +84,8 @@ def _worker(args: argparse.Namespace) -> None:
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "optimizer": _ADAMW,
               "scheduler": _SCHED, "steps_per_print": 10**6, "wall_clock_breakdown": False, "gradient_clipping": 0.0,
               **overrides}
+    if args.universal:  # the load side reads a universal checkpoint (scripts/cross-universal.py)
+        config["checkpoint"] = {"load_universal": True}
     if kind == "pipe":
         config["train_batch_size"] = BATCH * 2  # micro batch 4, 2 micro batches, dp 1
         config["gradient_accumulation_steps"] = 2
@@ -103,7 +106,7 @@ def _worker(args: argparse.Namespace) -> None:
         for step in range(args.n, args.n + args.m):
             losses.append(_train_step(engine, kind, step, rank, dtype, torch))
     else:
-        path, _ = engine.load_checkpoint(args.dir, tag="cross")
+        path, _ = engine.load_checkpoint(args.dir, tag=args.tag)
         if path is None:
             raise RuntimeError(f"load_checkpoint({args.dir!r}) loaded nothing")
         for step in range(args.n, args.n + args.m):
@@ -185,8 +188,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(python: str, case: str, phase: str, folder: str, n: int, m: int, timeout: float) -> tuple[list, str]:
-    """Run 2 ranks of the worker; returns (losses per rank, or None on failure; the failure's last lines)."""
+def _launch(python: str, case: str, phase: str, folder: str, n: int, m: int, timeout: float,
+            extra: tuple[str, ...] = ()) -> tuple[list, str]:
+    """Run 2 ranks of the worker (``phase``: save or load, "load-<label>" naming its logs apart; ``extra``: more
+    worker arguments); returns (losses per rank, or None on failure; the failure's last lines)."""
     out = os.path.join(folder, f"losses-{phase}")
     port = _free_port()
     procs = []
@@ -194,9 +199,9 @@ def _launch(python: str, case: str, phase: str, folder: str, n: int, m: int, tim
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-        cmd = [python, os.path.abspath(__file__), "--worker", "--case", case, "--phase", phase,
+        cmd = [python, os.path.abspath(__file__), "--worker", "--case", case, "--phase", phase.split("-")[0],
                "--dir", os.path.join(folder, "ckpt"), "--out", out, "--steps", str(n), str(m),
-               "--timeout", str(timeout)]
+               "--timeout", str(timeout), *extra]
         log = open(os.path.join(folder, f"{phase}-{rank}.log"), "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=folder), log))
     deadline = time.monotonic() + timeout
@@ -290,6 +295,8 @@ def main() -> None:
     parser.add_argument("--phase", choices=["save", "load"])
     parser.add_argument("--dir")
     parser.add_argument("--out")
+    parser.add_argument("--tag", default="cross", help=argparse.SUPPRESS)  # the tag the load side reads
+    parser.add_argument("--universal", action="store_true", help=argparse.SUPPRESS)  # ... as a universal checkpoint
     parser.add_argument("--steps", nargs=2, type=int, default=[4, 4], metavar=("N", "M"))
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--no-doc", action="store_true", help="do not write docs/cross-checkpoints.md")

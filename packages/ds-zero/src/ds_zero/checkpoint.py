@@ -366,13 +366,21 @@ def read_universal_common(ctx: Any, load: Callable[[str], Any]) -> dict[str, Any
 
 def universal_step(ctx: Any, load: Callable[[str], Any], names: list[str], common: dict[str, Any],
                    g: int) -> dict[str, Any]:
-    """``{"step": value}`` from the group's first ``step.pt``, else the saved param group's ``step``, else {}."""
+    """``{"step": value}`` from the group's first ``step.pt``, else the saved param group's ``step``, else the step
+    of the saving rank's own optimizer state kept in ``optimizer_state.pt`` (DeepSpeed's converter writes no
+    ``step.pt`` at stage 3: its stage-3 load takes state 0's step for every group), else {}."""
     rel = os.path.join(UNIVERSAL_ZERO, names[0], "step.pt") if names else ""
     if rel and os.path.isfile(os.path.join(ctx.tag_dir, rel)):
         return {"step": _read_plain(ctx, load, rel)}
     groups = common.get("param_groups") or []
     if g < len(groups) and "step" in groups[g]:
         return {"step": groups[g]["step"]}
+    inner = common.get("optimizer_state_dict")
+    states = inner.get("state") if isinstance(inner, dict) else None
+    if isinstance(states, dict):
+        for key in (g, 0):
+            if isinstance(states.get(key), dict) and "step" in states[key]:
+                return {"step": states[key]["step"]}
     return {}
 
 

@@ -8,6 +8,11 @@ group's full flat vector and cut again for any new world size, matching paramete
 A group partitioned over its own process group (MoE experts, over the expert-data-parallel group) records that
 group's size in ``partition_count`` and its padding on that group's last rank, as DeepSpeed does; such a group is
 restored on the same layout only (the saved ranks hold different experts under the same names).
+
+``param_slice_mappings`` (per group: parameter name -> where its piece lies in this rank's fp32 partition) is what
+DeepSpeed's universal-checkpoint converter (``ds_to_universal``) cuts each rank's flat state by. It is written here
+as plain ``{"numel", "start"}`` dicts; the engine's save turns them into the ``fragment_address`` objects
+DeepSpeed pickles there. Our loads never need it (``zero_layout`` says more), so files without it still load.
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ BASE_STATE = "base_optimizer_state"
 
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+
+
+def param_slice_mappings(groups: Sequence[Any]) -> list[dict[str, dict[str, int]]]:
+    """Per flat group (``FlatGroup``), in flat order: the name of each parameter with a piece in this rank's
+    partition -> ``{"numel": n, "start": s}``, its ``n`` elements from offset ``s`` of the partition (this rank's
+    fp32 master and each flat optimizer state). A parameter spanning two ranks has a piece in both files (its
+    head on the first, from its ``start`` to the partition's end; its tail on the next, from 0); one wholly on
+    other ranks, or with no elements, is left out, as DeepSpeed leaves out parameters without a fragment."""
+    return [{fg.names[frag.index]: {"numel": frag.numel, "start": frag.partition_offset} for frag in fg.own}
+            for fg in groups]
 
 
 def universal_checkpoint_info_of(groups: Sequence[Sequence[Any]]) -> Any:
@@ -59,6 +75,7 @@ def partitioned_state_dict(opt: Any) -> dict[str, Any]:
         "partition_count": [fg.layout.world_size for fg in opt.groups],
         "zero_layout": [{"names": list(fg.names), "numels": list(fg.layout.numels),
                          "alignment": fg.layout.alignment} for fg in opt.groups],
+        PARAM_SLICE_MAPPINGS: param_slice_mappings(opt.groups),
     }
 
 

@@ -102,7 +102,8 @@ def _load_once(path: str, placeholders: list[tuple[type, str]]) -> Any:
 _PLACEHOLDERS: dict[str, tuple[type, str]] = {
     name: (_Placeholder, name) for name in ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                                             "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                                            "deepspeed.runtime.zero.config.ZeroStageEnum")}
+                                            "deepspeed.runtime.zero.config.ZeroStageEnum",
+                                            "deepspeed.utils.tensor_fragment.fragment_address")}
 _MAX_PLACEHOLDERS = 256
 
 

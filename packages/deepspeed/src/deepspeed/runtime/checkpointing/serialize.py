@@ -14,6 +14,7 @@ import pickle
 import re
 import threading
 import zipfile
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -22,11 +23,12 @@ from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.checkpointing.atomic import Syncer, atomic_write, stage_write
 from deepspeed.runtime.checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.utils.tensor_fragment import fragment_address
 
 _WEIGHTS_ONLY_MARK = "Weights only load failed"
-# The loss-scaler objects our ZeRO optimizer files hold, as DeepSpeed's do: plain data (numbers and a dtype),
-# so a weights-only load may build them (also those of DeepSpeed's own files, same class names)
-torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler])
+# The loss-scaler and fragment-address objects our ZeRO optimizer files hold, as DeepSpeed's do: plain data
+# (numbers and a dtype), so a weights-only load may build them (also those of DeepSpeed's own files, same names)
+torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, fragment_address])
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since 1.6 is a zip archive
 
 
@@ -271,9 +273,25 @@ def with_deepspeed_objects(obj: Any) -> Any:
     if not isinstance(obj, dict) or not isinstance(obj.get("optimizer_state_dict"), dict):
         return obj
     state = obj["optimizer_state_dict"]
+    if isinstance(state.get("param_slice_mappings"), list):
+        state = {**state, "param_slice_mappings": deepspeed_slice_mappings(state["param_slice_mappings"])}
     if "loss_scaler" not in state or not (state["loss_scaler"] is None or isinstance(state["loss_scaler"], dict)):
-        return obj  # stage 1/2 without scaling leave the key out, which DeepSpeed's load accepts
+        # stage 1/2 without scaling leave the key out, which DeepSpeed's load accepts
+        return obj if state is obj["optimizer_state_dict"] else {**obj, "optimizer_state_dict": state}
     return {**obj, "optimizer_state_dict": {**state, "loss_scaler": deepspeed_loss_scaler(state.get("loss_scaler"))}}
+
+
+def deepspeed_slice_mappings(groups: list[Any]) -> list[Any]:
+    """ZeRO stage 1/2 ``param_slice_mappings`` with each plain ``{"numel", "start"}`` turned into DeepSpeed's
+    ``fragment_address`` in an ``OrderedDict`` per group, as DeepSpeed pickles them (its universal-checkpoint
+    converter reads ``.start`` / ``.numel``); entries already in that form are kept."""
+    def address(value: Any) -> Any:
+        if isinstance(value, dict):
+            return fragment_address(numel=int(value["numel"]), start=int(value["start"]))
+        return value
+
+    return [OrderedDict((name, address(value)) for name, value in group.items()) if isinstance(group, dict)
+            else group for group in groups]
 
 
 def deepspeed_loss_scaler(description: dict[str, Any] | None) -> Any:
