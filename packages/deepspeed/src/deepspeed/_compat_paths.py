@@ -65,8 +65,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.moe.experts": "ds_moe.experts",
     "deepspeed.moe.utils": "ds_moe.utils",
     "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep",  # AutoEP
-    # AutoTP (ds-inference, issue 16); deepspeed.module_inject itself is a real package re-exporting these
-    "deepspeed.module_inject.layers": "ds_inference.autotp",
+    # AutoTP (ds-inference, issue 16); deepspeed.module_inject (and .layers) are real modules re-exporting these
     "deepspeed.module_inject.auto_tp": "ds_inference.autotp",
     "deepspeed.module_inject.autotp_config": "ds_inference.autotp",
     "deepspeed.module_inject.replace_module": "ds_inference.autotp",

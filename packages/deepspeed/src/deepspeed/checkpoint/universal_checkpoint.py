@@ -110,6 +110,20 @@ def narrow_sub_params(full: torch.Tensor, dim: int, sizes: Sequence[int], widths
     return torch.cat(pieces, dim=dim)
 
 
+def _narrow_sub_params(full_view: torch.Tensor, partition_dim: int, sub_dim_sizes: Sequence[int],
+                       shard_widths: Sequence[Sequence[int]] | None, tp_rank: int, tp_world_size: int,
+                       uc_version: float) -> torch.Tensor:
+    """Rank ``tp_rank``'s piece of every sub-parameter of ``full_view`` (flattened): by the recorded per-rank
+    ``shard_widths``, or, for metadata older than version 0.4 (which records none), by an even split."""
+    version = float(uc_version)
+    if version < SHARD_WIDTHS_VERSION:
+        shard_widths = even_widths(sub_dim_sizes, tp_world_size)
+    _require(shard_widths is not None, f"AutoTP restore metadata of version {version} records no "
+                                       "sub_param_shard_widths for its fused sub-parameters")
+    check_widths(sub_dim_sizes, shard_widths, tp_world_size, "AutoTP restore metadata")
+    return narrow_sub_params(full_view, partition_dim, sub_dim_sizes, shard_widths, tp_rank).flatten()
+
+
 def _sub_param_sizes(meta: Mapping[str, Any], dim: int) -> tuple[Sequence[int] | None, int]:
     """(widths of the fused sub-parameters along the split dimension, that dimension), from ``sub_param_sizes``
     or, for older metadata, the ``sub_param_shape`` entry (which may name its own partition dimension)."""
@@ -143,13 +157,8 @@ def _resolve_autotp_partition(current_param: Any, ckpt_dict: Mapping[str, Any], 
     full = full_hp_param.view(tuple(meta["logical_shape"]))
     sizes, dim = _sub_param_sizes(meta, dim)
     if sizes is not None:
-        widths, version = meta.get("sub_param_shard_widths"), float(meta.get(UNIVERSAL_CHECKPOINT_VERSION_KEY, 0.0))
-        if version < SHARD_WIDTHS_VERSION:
-            widths = even_widths(sizes, tp_world_size)
-        _require(widths is not None, f"AutoTP restore metadata of version {version} records no "
-                                     "sub_param_shard_widths for its fused sub-parameters")
-        check_widths(sizes, widths, tp_world_size, "AutoTP restore metadata")
-        return narrow_sub_params(full, dim, sizes, widths, tp_rank).flatten()
+        return _narrow_sub_params(full, dim, sizes, meta.get("sub_param_shard_widths"), tp_rank, tp_world_size,
+                                  meta.get(UNIVERSAL_CHECKPOINT_VERSION_KEY, 0.0))
     partition_sizes = meta.get("partition_sizes")
     if partition_sizes is not None:
         _require(len(partition_sizes) == tp_world_size and sum(partition_sizes) == full.shape[dim],

@@ -13,10 +13,13 @@ from ds_inference.autotp import (
     AutoTPConfig,
     AutoTPPresets,
     EmbeddingLayer,
+    GateUpPack_LinearLayer,
     LinearAllreduce,
     LinearLayer,
     Normalize,
     PartitionType,
+    SubParamLinearAllreduce,
+    SubParamLinearLayer,
     TPLayerSpec,
     merge_autotp_configs,
     replace_transformer_layer,
@@ -24,15 +27,16 @@ from ds_inference.autotp import (
     set_autotp_mode,
 )
 
-__all__ = ["AutoTP", "AutoTPConfig", "AutoTPPresets", "EmbeddingLayer", "LinearAllreduce", "LinearLayer", "Normalize",
-           "PartitionType", "TPLayerSpec", "merge_autotp_configs", "replace_transformer_layer",
-           "revert_transformer_layer", "set_autotp_mode"]
+__all__ = ["AutoTP", "AutoTPConfig", "AutoTPPresets", "EmbeddingLayer", "GateUpPack_LinearLayer", "LinearAllreduce",
+           "LinearLayer", "Normalize", "PartitionType", "SubParamLinearAllreduce", "SubParamLinearLayer",
+           "TPLayerSpec", "merge_autotp_configs", "replace_transformer_layer", "revert_transformer_layer",
+           "set_autotp_mode"]
 
 _submodule = submodule_getattr(__name__)
 _KERNEL_INJECTION = "inference kernel injection (deepspeed.module_inject.containers)"
-# DeepSpeed's kernel-injection names (policies, quantized injection, sub-parameter layers) that this version lacks
+# DeepSpeed's kernel-injection names (policies, quantized injection) that this version lacks
 _NOT_BUILT_NAMES = ("HFBertLayerPolicy", "DSPolicy", "GroupQuantizer", "ReplaceWithTensorSlicing", "generic_injection",
-                    "quantize_transformer_layer", "SubParamLinearLayer", "SubParamLinearAllreduce")
+                    "quantize_transformer_layer")
 
 
 def __getattr__(name: str) -> Any:

@@ -12,14 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from deepspeed import comm as dist
+from ds_inference.autotp.split_rules import ModelFacts, rank_size, set_model_facts_source
 
 num_kv_heads: int | None = None
 num_attention_heads: int | None = None
 n_embd: int | None = None
 tp_grain_size: int = 1
-
-_LAST_LINEAR = ("lm_head", "embed_out")
-_MOE_MLP = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def set_num_kv_heads(num: int | None) -> None:
@@ -56,12 +54,6 @@ def get_n_embd() -> int | None:
     return n_embd
 
 
-def _split_by_heads(name: Any) -> bool:
-    text = str(name)
-    moe_mlp = name is not None and any(s in text for s in _MOE_MLP)
-    return "mlp" not in text and text not in _LAST_LINEAR and not moe_mlp
-
-
 def _group_rank(mp_size: int, mp_group: Any) -> int:
     if mp_group is not None:
         return dist.get_rank(group=mp_group)
@@ -76,19 +68,20 @@ def get_shard_size(total_size: int, mp_size: int, name: Any = None, rank: int | 
                    num_kv_heads: int | None = None) -> int:
     """Elements of a ``total_size``-long dimension on tensor-parallel rank ``rank`` (group-local); ``num_kv_heads``
     overrides the module's head count (to split fused Q/K/V pieces by their own head counts)."""
-    heads = globals()["num_kv_heads"] if num_kv_heads is None else num_kv_heads
     if rank is None:
         rank = _group_rank(mp_size, mp_group)
-    if heads is not None and total_size % heads == 0 and _split_by_heads(name):
-        return total_size * (heads // mp_size + (1 if rank < heads % mp_size else 0)) // heads
-    if total_size >= tp_grain_size:
-        grains, remainder = divmod(total_size, tp_grain_size)
-        size = (grains // mp_size + (1 if rank < grains % mp_size else 0)) * tp_grain_size
-        return size + remainder if rank == mp_size - 1 else size  # the tail that is not a whole grain
-    return total_size // mp_size + (1 if rank < total_size % mp_size else 0)
+    return rank_size(total_size, mp_size, rank, name, num_kv_heads, _facts())
 
 
 def get_shard_size_list(total_size: int, mp_size: int, name: Any = None,
                         num_kv_heads: int | None = None) -> list[int]:
     """``get_shard_size`` for every rank of the group (sums to ``total_size``)."""
     return [get_shard_size(total_size, mp_size, name, rank, num_kv_heads=num_kv_heads) for rank in range(mp_size)]
+
+
+def _facts() -> ModelFacts:
+    return ModelFacts(num_kv_heads, num_attention_heads, n_embd, tp_grain_size)
+
+
+# AutoTP layers built by hand (deepspeed.module_inject.layers) split by these facts, as DeepSpeed's read this module
+set_model_facts_source(_facts)

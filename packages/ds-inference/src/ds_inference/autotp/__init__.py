@@ -29,10 +29,20 @@ from ds_inference.autotp._specs import (
     hf_tp_plan_specs,
     merge_autotp_configs,
 )
+from ds_inference.autotp._subparam_layers import (
+    GateUpPack_LinearLayer,
+    SubParamLinearAllreduce,
+    SubParamLinearLayer,
+    Yuan_LinearAllreduce,
+    Yuan_LinearLayer,
+    fused_LinearLayer,
+)
 from ds_inference.autotp.sharding import ShardLayout, ShardMeta, make_layout, shard_sizes
 
 __all__ = [
-    "AutoTP", "AutoTPConfig", "AutoTPPresets", "Conv_LinearALlreduce", "EmbeddingLayer", "HiddenParallelEmbedding",
+    "AutoTP", "AutoTPConfig", "AutoTPPresets", "Conv_LinearALlreduce", "EmbeddingLayer", "GateUpPack_LinearLayer",
+    "HiddenParallelEmbedding", "SubParamLinearAllreduce", "SubParamLinearLayer", "Yuan_LinearAllreduce",
+    "Yuan_LinearLayer", "fused_LinearLayer",
     "LinearAllreduce", "LinearLayer", "LmHeadLinearAllreduce", "Normalize", "PartitionType", "Placement",
     "ShardLayout", "ShardMeta", "TPLayerSpec", "TensorParallel_Layer", "VocabParallelEmbedding", "autotp_shard",
     "conv_LinearLayer", "full_state_dict", "get_auto_tp_mode", "hf_tp_plan_specs", "is_autotp_training_mode",

@@ -13,7 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_inference.autotp._comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
-from ds_inference.autotp.sharding import ShardLayout, ShardMeta, make_layout
+from ds_inference.autotp._linear_split import LinearSplitMixin, group_size_and_rank
+from ds_inference.autotp.sharding import ShardLayout
+from ds_inference.autotp.subparam_spec import SubParamView
+
+# a sub-parameter layer's view and split dimension (see _subparam_layers)
+SubParams = tuple[SubParamView, int]
 
 
 def _weight_of(module: nn.Module) -> torch.Tensor:
@@ -23,14 +28,11 @@ def _weight_of(module: nn.Module) -> torch.Tensor:
     return weight
 
 
-def _layout_or_default(layout: ShardLayout | None, module: nn.Module, dim: int,
-                       tp_group: dist.ProcessGroup | None) -> ShardLayout:
-    """``layout``, or (a layer built by hand, as DeepSpeed's ``LinearLayer(module, mp_group)``) the split of
-    DeepSpeed's ``get_shard_size_list`` without head counts: near-even, the larger shards first."""
-    if layout is not None:
-        return layout
-    meta = ShardMeta(tp_size=dist.get_world_size(group=tp_group))
-    return make_layout([_weight_of(module).shape[dim]], meta, by_heads=False)
+def _one_group(tp_group: dist.ProcessGroup | None, mp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group given positionally (``tp_group``) or as DeepSpeed's keyword ``mp_group``."""
+    if tp_group is not None and mp_group is not None and tp_group is not mp_group:
+        raise ValueError("give the tensor-parallel group once: tp_group (positional) or mp_group, not both")
+    return tp_group if tp_group is not None else mp_group
 
 
 class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
@@ -38,9 +40,9 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
 
     def __init__(self, tp_group: dist.ProcessGroup | None, name: str | None = None) -> None:
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_world_size = dist.get_world_size(group=tp_group)
-        self.tp_index = dist.get_rank(group=tp_group)
+        self.tp_group = self.mp_group = tp_group  # mp_group: DeepSpeed's attribute name
+        # no group and no torch.distributed: one rank, no collectives (a layer built to describe a split)
+        self._collective, self.tp_world_size, self.tp_index = group_size_and_rank(tp_group)
         self.name = name
         self._tp_dims: dict[str, int | None] = {}
         self._tp_layouts: dict[str, ShardLayout] = {}
@@ -73,7 +75,8 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
         full = {}
         for name, dim in self.partition_dims().items():
             local = getattr(self, name).detach()
-            full[name] = local.clone() if dim is None else self._tp_layouts[name].gather(local, dim, self.tp_group)
+            whole = dim is None or not self._collective
+            full[name] = local.clone() if whole else self._tp_layouts[name].gather(local, dim, self.tp_group)
         return full
 
     @torch.no_grad()
@@ -92,67 +95,98 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
         return f"name={self.name}, tp={self.tp_index}/{self.tp_world_size}, {shapes}"
 
 
-class LinearLayer(TensorParallel_Layer):
+class LinearLayer(LinearSplitMixin, TensorParallel_Layer):
     """Column-parallel linear: this rank computes its slice of the output features (input replicated).
 
-    ``transposed`` is for HF ``Conv1D`` (weight stored ``[in, out]``); ``gather_output`` all-gathers the
-    output so the next layer sees every feature (only for an unpacked output dimension).
+    ``layout`` (from :func:`autotp_shard`) says how the output features are cut; without it (a layer built by
+    hand with DeepSpeed's arguments ``(module, mp_group, name=...)``) the split rule of
+    :mod:`ds_inference.autotp.split_rules` decides. ``transposed`` is for HF ``Conv1D`` (weight stored
+    ``[in, out]``); ``gather_output`` all-gathers the output so the next layer sees every feature (only for an
+    unpacked output dimension); ``skip_partition`` keeps the module's full tensors (their split still recorded).
     """
 
     transposed = False
 
-    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None, layout: ShardLayout | None = None,
-                 *, name: str | None = None, gather_output: bool = False,
-                 device: torch.device | None = None) -> None:
-        super().__init__(tp_group, name)
-        out_dim = 1 if self.transposed else 0
-        layout = _layout_or_default(layout, module, out_dim, tp_group)
-        self._register_shard("weight", _weight_of(module), out_dim, layout, device)
-        self._register_shard("bias", getattr(module, "bias", None), 0, layout, device)
-        if gather_output and any(len(p) > 1 for p in layout.pieces):
+    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None = None,
+                 layout: ShardLayout | None = None, *, name: str | None = None, gather_output: bool = False,
+                 device: torch.device | None = None, mp_group: dist.ProcessGroup | None = None,
+                 skip_partition: bool = False, _subparams: SubParams | None = None) -> None:
+        super().__init__(_one_group(tp_group, mp_group), name)
+        view, dim = _subparams if _subparams is not None else (None, None)
+        self._init_split(module, layout, view, dim, skip_partition, device)
+        if gather_output and len(self._sizes()) > 1:
             raise ValueError(f"{name}: gather_output needs an unpacked output dimension")
         self.gather_output = gather_output
-        self.output_sizes = tuple(layout.sizes)
+        self._mark_uc_metadata()
+
+    @property
+    def output_sizes(self) -> tuple[int, ...]:
+        return tuple(self._tp_layouts["weight"].sizes)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = copy_to_tp(hidden, self.tp_group)
+        if self._collective:
+            hidden = copy_to_tp(hidden, self.tp_group)
         if self.transposed:
             out = hidden @ self.weight
             out = out + self.bias if self.bias is not None else out
         else:
             out = F.linear(hidden, self.weight, self.bias)
-        return gather_from_tp(out, self.output_sizes, self.tp_group) if self.gather_output else out
+        if self.gather_output and self._collective:
+            return gather_from_tp(out, self.output_sizes, self.tp_group)
+        return out
 
 
-class LinearAllreduce(TensorParallel_Layer):
+class LinearAllreduce(LinearSplitMixin, TensorParallel_Layer):
     """Row-parallel linear: input features arrive sharded, partial outputs are summed over the group
-    (the all-reduce), the bias is added once afterwards."""
+    (the all-reduce), the bias is added once afterwards. Arguments as :class:`LinearLayer`'s."""
 
     transposed = False
+    _row = True
 
-    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None, layout: ShardLayout | None = None,
-                 *, name: str | None = None, device: torch.device | None = None) -> None:
-        super().__init__(tp_group, name)
-        in_dim = 0 if self.transposed else 1
-        layout = _layout_or_default(layout, module, in_dim, tp_group)
-        self._register_shard("weight", _weight_of(module), in_dim, layout, device)
-        self._register_shard("bias", getattr(module, "bias", None), None, None, device)
-        self.input_sizes = tuple(layout.sizes)
+    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None = None,
+                 layout: ShardLayout | None = None, *, name: str | None = None, device: torch.device | None = None,
+                 mp_group: dist.ProcessGroup | None = None, skip_partition: bool = False,
+                 _subparams: SubParams | None = None) -> None:
+        super().__init__(_one_group(tp_group, mp_group), name)
+        view, dim = _subparams if _subparams is not None else (None, None)
+        self._init_split(module, layout, view, dim, skip_partition, device)
+        self._mark_uc_metadata()
+
+    @property
+    def input_sizes(self) -> tuple[int, ...]:
+        return tuple(self._tp_layouts["weight"].sizes)
 
     def _partial(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.weight if self.transposed else F.linear(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_tp(self._partial(hidden), self.tp_group)
+        out = self._partial(hidden)
+        if self._collective:
+            out = reduce_from_tp(out, self.tp_group)
         return out + self.bias if self.bias is not None else out
 
 
 class LmHeadLinearAllreduce(LinearAllreduce):
-    """Output head split along the hidden dimension: the replicated input is sliced to this rank's features,
-    the partial logits are summed over the group. Shares its shard with a tied :class:`HiddenParallelEmbedding`."""
+    """Output head split along the hidden dimension: the replicated input is sliced to this rank's features
+    (by the split frozen at construction), the partial logits are summed over the group. Shares its shard with a
+    tied :class:`HiddenParallelEmbedding`; never the source module's tensors (named ``lm_head`` by default)."""
+
+    _decouple_source = True
+
+    def __init__(self, module: nn.Module, tp_group: dist.ProcessGroup | None = None,
+                 layout: ShardLayout | None = None, *, name: str | None = "lm_head", **kwargs) -> None:
+        super().__init__(module, tp_group, layout, name=name, **kwargs)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(scatter_to_tp(hidden, self.input_sizes, self.tp_group))
+        sizes = self.input_sizes
+        if hidden.shape[-1] != sum(sizes):
+            raise ValueError(f"{self.name}: input of {hidden.shape[-1]} features; this head was split for "
+                             f"{sum(sizes)}")
+        if self._collective:
+            return super().forward(scatter_to_tp(hidden, sizes, self.tp_group))
+        local = hidden.narrow(-1, sum(sizes[:self.tp_index]), sizes[self.tp_index])
+        out = self._partial(local)
+        return out + self.bias if self.bias is not None else out
 
 
 class conv_LinearLayer(LinearLayer):  # noqa: N801 - DeepSpeed's class name
