@@ -120,3 +120,31 @@ def test_hand_built_layers_split_by_tp_shard_facts():
     finally:
         tp_shard.set_num_kv_heads(saved[0])
         tp_shard.set_tp_grain_size(saved[1])
+
+
+def test_fused_qwen_projection_sets_the_rank_query_width_and_refuses_an_empty_rank():
+    from deepspeed.module_inject import tp_shard
+    from deepspeed.module_inject.layers import fused_LinearLayer
+
+    class QWenBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = torch.nn.Module()
+            self.attn.split_size = 8
+
+    saved = tp_shard.num_kv_heads
+    try:
+        tp_shard.set_num_kv_heads(2)
+        tp_shard.set_n_embd(None)
+        block = QWenBlock()
+        layer = fused_LinearLayer(torch.nn.Linear(8, 24, bias=False), None, skip_partition=True,
+                                  fused_module=block, name="c_attn")
+        layer.tp_world_size, layer.tp_index = 2, 1
+        layer._freeze_partition_sizes(24)
+        assert block.attn.split_size == 4 and layer._subparam_shard_widths == [[4, 4]] * 3
+        assert not list(layer.children())  # the block (which holds the layer) is not its submodule
+        layer.tp_world_size, layer.tp_index = 4, 3
+        with pytest.raises(RuntimeError, match="rank 3 would hold an empty query/key/value shard"):
+            layer._freeze_partition_sizes(24)
+    finally:
+        tp_shard.set_num_kv_heads(saved)

@@ -130,9 +130,29 @@ class fused_LinearLayer(LinearLayer):  # noqa: N801 - DeepSpeed's class name
         if fused_module is None:
             raise ValueError("fused_LinearLayer: fused_module is required (the block holding the projection)")
         self._fused_sizes = fused_qkv_sizes(fused_module, tuple(module.weight.shape))
+        self._fused_block = (fused_module,)  # in a tuple: not registered as a submodule (it holds this layer)
         if self._fused_sizes is None:
             self._unsupported_reason = _INTERLEAVED
         super().__init__(module, mp_group, name=name, device=device, skip_partition=skip_partition)
+        self._set_qwen_split_size()
+
+    def _freeze_partition_sizes(self, total_size: int) -> tuple[int, ...]:
+        sizes = super()._freeze_partition_sizes(total_size)
+        self._set_qwen_split_size()
+        return sizes
+
+    def _set_qwen_split_size(self) -> None:
+        """QWen unpacks query, key and value from the fused output by ``attn.split_size``: this rank's query
+        width, which must not be zero (the model's own split would then return one tensor)."""
+        block = self._fused_block[0]
+        if fused_qkv_type(block) != "qwen" or self._fused_sizes is None:
+            return
+        width = self._widths[0][self.tp_index]
+        if width == 0:
+            raise RuntimeError(f"AutoTP cannot shard this QWen attention over {self.tp_world_size} ranks: rank "
+                               f"{self.tp_index} would hold an empty query/key/value shard; use a tensor-parallel "
+                               "size that leaves every rank at least one query head")
+        block.attn.split_size = width
 
     def _default_subparam_sizes(self, out_features: int) -> tuple[int, ...] | None:
         sizes = self._fused_sizes
