@@ -148,3 +148,36 @@ def test_fused_qwen_projection_sets_the_rank_query_width_and_refuses_an_empty_ra
             layer._freeze_partition_sizes(24)
     finally:
         tp_shard.set_num_kv_heads(saved)
+
+
+def _rules_body() -> dict:
+    from deepspeed.checkpoint import constants as c
+    from deepspeed.checkpoint.autotp_universal import universal_checkpoint_info
+    from deepspeed.module_inject.layers import collect_autotp_universal_checkpoint_info
+    from deepspeed.runtime.autotp import autotp_layouts
+    from ds_inference.autotp import HiddenParallelEmbedding, LinearAllreduce, LinearLayer
+    from ds_inference.autotp.sharding import ShardMeta, make_layout
+
+    meta = ShardMeta(tp_size=2, num_kv_heads=2)
+    model = torch.nn.Module()
+    model.emb = HiddenParallelEmbedding(torch.nn.Embedding(10, 6), dist.group.WORLD,
+                                        make_layout([6], meta, by_heads=False), name="emb")
+    model.qkv = LinearLayer(torch.nn.Linear(6, 10), dist.group.WORLD, make_layout([6, 2, 2], meta, by_heads=True),
+                            name="qkv")
+    model.o = LinearAllreduce(torch.nn.Linear(6, 6), dist.group.WORLD, make_layout([6], meta, by_heads=True),
+                              name="o")
+    model.norm = torch.nn.LayerNorm(6)
+    ours = collect_autotp_universal_checkpoint_info(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    by_layouts = universal_checkpoint_info(autotp_layouts(model), shapes)
+    keys = (c.TP_REPLICATED_PARAMETER_PATTERNS, c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, c.SUB_PARAM_SHARD_WIDTHS)
+    return {"same": {k: sorted(map(str, ours[k])) == sorted(map(str, by_layouts[k])) for k in keys},
+            "fused": [(e["patterns"], e["shape"][0]) for e in ours[c.PARAMETER_WITH_SUB_PARAMS]],
+            "row": ours[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS]}
+
+
+def test_collected_rules_agree_with_the_rules_derived_from_autotp_layouts():
+    for res in run_distributed(_rules_body, world_size=2, timeout=90):
+        assert all(res["same"].values()), res["same"]
+        assert res["fused"] == [([r"^qkv\.weight$"], (6, 2, 2)), ([r"^qkv\.bias$"], (6, 2, 2))]
+        assert res["row"] == [r"^emb\.weight$", r"^o\.weight$"]

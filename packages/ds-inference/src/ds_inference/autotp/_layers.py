@@ -15,7 +15,9 @@ from torch import nn
 from ds_inference.autotp._comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from ds_inference.autotp._linear_split import LinearSplitMixin, group_size_and_rank
 from ds_inference.autotp.sharding import ShardLayout
+from ds_inference.autotp.split_rules import layout_widths
 from ds_inference.autotp.subparam_spec import SubParamView
+from ds_inference.autotp.uc_meta import set_uc_meta
 
 # a sub-parameter layer's view and split dimension (see _subparam_layers)
 SubParams = tuple[SubParamView, int]
@@ -89,6 +91,31 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
             raise ValueError(f"{self.name}.{name}: full tensor {tuple(full.shape)} gives a shard of "
                              f"{tuple(shard.shape)}, this rank holds {tuple(target.shape)}")
         target.copy_(shard)
+
+    def _mark_uc_metadata(self) -> None:
+        """Describe each own parameter for universal checkpoints (DeepSpeed's format) from its layout: a plain
+        split by per-rank sizes, a packed one by sub-parameters, anything else as unsupported; split along
+        dim 1 is row-parallel. The linear layers override this with their DeepSpeed-specific description."""
+        for pname, dim in self.partition_dims().items():
+            param = getattr(self, pname)
+            local = tuple(param.shape)
+            if dim is None:
+                set_uc_meta(param, partition_type="row", logical_shape=local, output_shape=local,
+                            original_shape=local, replicated=True)
+                continue
+            layout = self._tp_layouts[pname]
+            full = tuple(layout.full if i == dim else n for i, n in enumerate(local))
+            found, fields = layout_widths(layout), {}
+            if found is None:
+                fields["unsupported_reason"] = f"{self.name}.{pname} is split in pieces {layout.pieces}"
+            elif len(found[0]) == 1:
+                fields["partition_sizes"] = tuple(layout.sizes)
+            else:
+                fields.update(sub_param_shape=tuple(found[0] if i == dim else n for i, n in enumerate(full)),
+                              sub_param_sizes=found[0], sub_param_shard_widths=found[1])
+            set_uc_meta(param, partition_type="row" if dim == 1 else "column", partition_dim=dim,
+                        logical_shape=full, output_shape=full[:1], target_partition_shape=local, original_shape=full,
+                        **fields)
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={tuple(getattr(self, n).shape)}" for n in self.partition_dims())
@@ -214,6 +241,7 @@ class HiddenParallelEmbedding(TensorParallel_Layer):
         self.num_embeddings = module.num_embeddings
         self.embedding_dim = module.embedding_dim
         self.output_sizes = tuple(layout.sizes)
+        self._mark_uc_metadata()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
@@ -241,6 +269,9 @@ class VocabParallelEmbedding(TensorParallel_Layer):
         self.padding_idx = pad - self.vocab_start_index if pad is not None and (
             self.vocab_start_index <= pad < self.vocab_end_index) else None
         self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
+
+    def _mark_uc_metadata(self) -> None:
+        """Nothing of its own: the weight is the tied head's, which describes it."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
