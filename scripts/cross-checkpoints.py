@@ -335,7 +335,9 @@ def _write_doc(lines: list[str]) -> None:
             "Measured by `bash scripts/hatch run test:python scripts/cross-checkpoints.py` (see its docstring): for "
             "each case, one framework trains N steps, saves and continues M steps; the other builds the model from "
             "another seed, loads the checkpoint and trains the same M steps. \"same losses\" means every rank's M "
-            "losses are equal (difference 0).", "", *lines, ""]
+            "losses are equal (difference 0).", "",
+            "Universal checkpoints (real DeepSpeed's `ds_to_universal` on our files): `docs/cross-universal.md`.", "",
+            *lines, ""]
     with open(os.path.join(ROOT, "docs", "cross-checkpoints.md"), "w") as handle:
         handle.write("\n".join(text))
 
