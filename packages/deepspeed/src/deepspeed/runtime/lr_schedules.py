@@ -293,6 +293,11 @@ class OneCycle(_Schedule):
         self.skip_lr_decay = self.decay_step_size == 0 or self.decay_lr_rate == 0
         self.skip_mom_decay = self.decay_step_size == 0 or self.decay_mom_rate == 0
         self._apply()
+        if self.cycle_momentum and self.last_batch_iteration == -1:
+            # as DeepSpeed's constructor: the groups hold cycle_min_mom until the first step (get_mom() already
+            # reports the schedule's cycle_max_mom there), so the first optimizer step uses DeepSpeed's momentum
+            self._write_moms([(mom, *tuple(group["betas"])[1:]) if _momentum_key(group) == "betas" else mom
+                              for group, mom in zip(self.optimizer.param_groups, self.min_moms, strict=True)])
 
     def _scale_factor(self, iteration: int) -> float:
         """Position in the cycle's amplitude, 0 (at the min lr) .. 1 (at the max lr)."""
@@ -316,10 +321,6 @@ class OneCycle(_Schedule):
         return [lo / factor for lo in self.min_lrs]
 
     def _moms_at(self, iteration: int) -> list[float]:
-        if iteration < 0:
-            # as DeepSpeed's constructor writes: cycle_min_mom before the first step, so the first optimizer step
-            # uses the momentum DeepSpeed's does
-            return list(self.min_moms)
         if iteration < self.total_size:
             scale = self._scale_factor(iteration)
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
@@ -340,9 +341,11 @@ class OneCycle(_Schedule):
 
     def _apply(self) -> None:
         super()._apply()
-        if not self.cycle_momentum:
-            return
-        for group, momentum in zip(self.optimizer.param_groups, self.get_mom(), strict=False):
+        if self.cycle_momentum:
+            self._write_moms(self.get_mom())
+
+    def _write_moms(self, moms: list[tuple | float]) -> None:
+        for group, momentum in zip(self.optimizer.param_groups, moms, strict=False):
             group[_momentum_key(group)] = momentum
 
 
