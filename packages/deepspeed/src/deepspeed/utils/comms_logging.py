@@ -63,6 +63,15 @@ class SizeRecord:
     busbws: list[float] = field(default_factory=list)
 
 
+def _record(vals: Any) -> SizeRecord:
+    """A ``comms_dict`` entry as a record: ours, or DeepSpeed's ``[count, latencies, algbws, busbws]`` list
+    (code that fills ``comms_dict`` itself, as DeepSpeed's tests do)."""
+    if isinstance(vals, SizeRecord):
+        return vals
+    count, latencies, algbws, busbws = vals
+    return SizeRecord(int(count), list(latencies), list(algbws), list(busbws))
+
+
 class CommsLogger:
     """Collects per-op records when enabled; ``configure`` takes the typed ``CommsLoggerConfig``."""
 
@@ -121,9 +130,45 @@ class CommsLogger:
     def reset(self) -> None:
         self.comms_dict = {}
 
+    reset_data = reset  # DeepSpeed's name
+
     def rows(self) -> list[tuple[str, int, SizeRecord]]:
         """(op, message size, record) in a stable order: ops by name, sizes ascending."""
-        return [(op, size, rec) for op in sorted(self.comms_dict) for size, rec in sorted(self.comms_dict[op].items())]
+        return [(op, size, _record(vals)) for op in sorted(self.comms_dict)
+                for size, vals in sorted(self.comms_dict[op].items())]
+
+    # ---- DeepSpeed's read API over the records --------------------------------------------------------------
+    def get_raw_data(self) -> dict[str, dict[int, list]]:
+        """Every record as DeepSpeed keeps it: ``{op: {msg_size: [count, latencies, algbws, busbws]}}`` (copies)."""
+        out: dict[str, dict[int, list]] = {}
+        for op, size, rec in self.rows():
+            out.setdefault(op, {})[size] = [rec.count, list(rec.latencies_ms), list(rec.algbws), list(rec.busbws)]
+        return out
+
+    def has_data(self) -> bool:
+        return any(rec.count for _, _, rec in self.rows())
+
+    def get_operation_names(self) -> list[str]:
+        return list(self.comms_dict)
+
+    def get_total_operations(self) -> int:
+        return sum(rec.count for _, _, rec in self.rows())
+
+    def get_operation_summary(self, operation_name: str) -> dict[int, dict[str, Any]] | None:
+        """Per message size of ``operation_name``: count, total and trimmed-mean latency (10 % off each end, as
+        DeepSpeed) and bandwidths; None when the operation was never recorded. The records are not reordered."""
+        from deepspeed.utils.timer import trim_mean
+
+        if operation_name not in self.comms_dict:
+            return None
+        summary = {}
+        for size, vals in sorted(self.comms_dict[operation_name].items()):
+            rec = _record(vals)
+            summary[size] = {"count": rec.count, "total_latency_ms": sum(rec.latencies_ms),
+                             "avg_latency_ms": trim_mean(rec.latencies_ms, 0.1),
+                             "tput_avg_gbps": trim_mean(rec.algbws, 0.1), "busbw_avg_gbps": trim_mean(rec.busbws, 0.1),
+                             "msg_size_bytes": size, "msg_size_str": convert_size(size)}
+        return summary
 
     def summary_table(self, stragglers_ms: dict[tuple[str, int], float] | None = None) -> str:
         """The ``log_summary`` table; with ``stragglers_ms`` a column of total latency above the fastest rank."""
