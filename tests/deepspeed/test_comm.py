@@ -102,6 +102,9 @@ def test_discovery_rules():
         ds_comm.init_distributed(rank=0, dist_init_required=True, verbose=False)
     with pytest.raises(ConfigError, match="comms_logger"):
         ds_comm.configure({"comms_logger": {"enable": True}})
+    if not dist.is_initialized():  # as DeepSpeed: the caller said it owns a group that does not exist
+        with pytest.raises(RuntimeError, match="dist_init_required=False.*not initialized"):
+            ds_comm.init_distributed(dist_init_required=False, verbose=False)
 
 
 @given(prefix=st.text("abcxyz-", min_size=1, max_size=5), lo=st.integers(0, 50), span=st.integers(0, 20),

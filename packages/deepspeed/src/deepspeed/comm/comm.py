@@ -145,13 +145,18 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      world_size: int = -1) -> None:
     """Initialise ``torch.distributed`` for DeepSpeed (idempotent: an existing group is kept).
 
-    ``dist_init_required=False`` only configures the comms logger (the caller owns the group);
-    ``config`` (CommsLoggerConfig, DeepSpeedConfig, dict or path) configures the comms logger.
+    ``dist_init_required=False`` only configures the comms logger (the caller owns the group, which must exist
+    already, as DeepSpeed asserts); ``config`` (CommsLoggerConfig, DeepSpeedConfig, dict or path) configures the
+    comms logger.
     """
     if config is not None:
         configure(config)
     if dist_init_required is None:
         dist_init_required = not is_initialized()
+    if dist_init_required is False and not is_initialized():
+        raise RuntimeError("init_distributed(dist_init_required=False): torch.distributed is not initialized; "
+                           "call torch.distributed.init_process_group first, or pass dist_init_required=True "
+                           "(or None) to let DeepSpeed initialize it")
     if not dist_init_required or is_initialized():
         if verbose and is_initialized() and dist.get_rank() == 0:
             logger.info("Distributed backend already initialized")
