@@ -49,6 +49,35 @@ def adam_update(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
         _write_back(targets, values)
 
 
+def adam_rollback(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: list[int], *,
+                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool,
+                  adamw_mode: bool) -> None:
+    """Undo :func:`adam_update` of step ``steps`` (the same gradients and hyper-parameters) in place: the
+    parameters and both moments return to their values before that step, up to rounding."""
+    p32, g32, m32, v32 = _f32(params), _f32(grads), _f32(exp_avgs), _f32(exp_avg_sqs)
+    if bias_correction:
+        step_sizes = [lr / (1.0 - beta1**s) for s in steps]
+        bc2_sqrt = [(1.0 - beta2**s) ** 0.5 for s in steps]
+    else:
+        step_sizes, bc2_sqrt = [lr] * len(steps), [1.0] * len(steps)
+    denom = torch._foreach_sqrt(v32)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p32, m32, denom, step_sizes)
+    if weight_decay:
+        if adamw_mode:
+            torch._foreach_div_(p32, 1.0 - lr * weight_decay)
+        else:
+            g32 = torch._foreach_add(g32, p32, alpha=weight_decay)
+    torch._foreach_addcmul_(v32, g32, g32, value=-(1.0 - beta2))
+    torch._foreach_div_(v32, beta2)
+    torch._foreach_clamp_min_(v32, 0.0)  # rounding must not leave a negative second moment
+    torch._foreach_add_(m32, g32, alpha=-(1.0 - beta1))
+    torch._foreach_div_(m32, beta1)
+    for targets, values in ((params, p32), (exp_avgs, m32), (exp_avg_sqs, v32)):
+        _write_back(targets, values)
+
+
 def adagrad_update(params: Tensors, grads: Tensors, sums: Tensors, *, lr: float, eps: float,
                    weight_decay: float) -> None:
     """Adagrad (L2 decay, no lr decay) in place: sum += g^2; p -= lr * g / (sqrt(sum) + eps)."""

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ds_ops import reference
 from ds_ops.cpu_optimizer import CPUOptimizer, Item
 from ds_ops.op_builder import CPUAdamBuilder
@@ -53,3 +55,59 @@ class DeepSpeedCPUAdam(CPUOptimizer):
             [it[2][1] for it in items], [it[4] for it in items], lr=group["lr"], beta1=beta1, beta2=beta2,
             eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
             adamw_mode=self.adam_w_mode)
+
+    # ---- DeepSpeed's sub-group interface (SuperOffload: one flat sub-group partition in the optimizer at a time) --
+    def _subgroup_items(self, call: str) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        items = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for _, p in items:
+            if p.device.type != "cpu":
+                raise ValueError(f"{call}: DeepSpeedCPUAdam steps CPU tensors; a parameter is on {p.device} (enable "
+                                 "offload_optimizer: {device: cpu} in the ZeRO config)")
+        return items
+
+    @torch.no_grad()
+    def step_subgroup(self, subgroup_id: int, closure: Any = None) -> Any:
+        """One Adam step of the parameters that have gradients, with the moments and step count kept under
+        ``self.state[subgroup_id]`` instead of per parameter (the caller swaps sub-group partitions in and out
+        of the optimizer, as DeepSpeed's SuperOffload does)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, p in self._subgroup_items("step_subgroup"):
+            state = self.state[subgroup_id]
+            if not state:
+                dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
+                state.update(step=0, exp_avg=torch.zeros_like(p, dtype=dtype),
+                             exp_avg_sq=torch.zeros_like(p, dtype=dtype))
+            state["step"] += 1
+            self._subgroup_math(reference.adam_update, group, p, state)
+        return loss
+
+    @torch.no_grad()
+    def rollback_subgroup(self, sub_group_id: int, closure: Any = None) -> Any:
+        """Undo the last :meth:`step_subgroup` of ``sub_group_id`` (same gradients): parameters and moments go
+        back, the step count drops by one. Raises ``RuntimeError`` for a sub-group never stepped or at step 0."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        state = self.state.get(sub_group_id) if sub_group_id in self.state else None
+        if not state:
+            raise RuntimeError(f"Cannot rollback optimizer state for sub_group_id {sub_group_id} as it has not been "
+                               "initialized (step_subgroup was never called for it)")
+        if state.get("step", 0) <= 0:
+            raise RuntimeError(f"Cannot rollback sub_group_id {sub_group_id}: step count is {state.get('step', 0)}")
+        for group, p in self._subgroup_items("rollback_subgroup"):
+            self._subgroup_math(reference.adam_rollback, group, p, state)
+            state["step"] -= 1
+        return loss
+
+    def _subgroup_math(self, fn: Any, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        if state["exp_avg"].shape != p.shape:
+            raise ValueError(f"sub-group state has shape {tuple(state['exp_avg'].shape)}, the parameter "
+                             f"{tuple(p.shape)}: one sub-group holds one flat partition")
+        beta1, beta2 = group["betas"]
+        fn([p.data], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [state["step"]], lr=group["lr"],
+           beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+           bias_correction=group["bias_correction"], adamw_mode=self.adam_w_mode)
