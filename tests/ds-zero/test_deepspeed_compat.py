@@ -1,6 +1,7 @@
 """File-format compatibility with the real DeepSpeed 0.19.8: ZeRO stage 1/2 checkpoints it wrote (fixtures under
 ``fixtures/deepspeed_0_19_8/``, made by ``make_fixtures.py`` there) read by our ``zero_to_fp32`` and our engine,
-a checkpoint our engine wrote read by the real ``zero_to_fp32`` (only where ``/tmp/realds/venv`` exists), and
+a checkpoint our engine wrote read by the real ``zero_to_fp32`` (only where the side venv of
+``scripts/real-deepspeed-venv.sh`` exists: ``REAL_DS_VENV`` or ``.venvs/real-deepspeed``), and
 ZeRO stage 3 checkpoints it wrote read by our ``zero_to_fp32``, with their exact file layout pinned down (the
 spec for a stage-3 writer that real DeepSpeed can read).
 
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from _harness import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed_0_19_8")
-REAL_PY = "/tmp/realds/venv/bin/python"
+REAL_PY = os.path.join(os.environ.get("REAL_DS_VENV") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venvs", "real-deepspeed"), "bin", "python")
 CASES = ["stage1_fp32", "stage2_fp32", "stage1_bf16", "stage2_bf16"]
 STAGE3_CASES = ["stage3_fp32", "stage3_bf16"]
 
