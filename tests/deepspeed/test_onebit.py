@@ -342,3 +342,13 @@ def _zero1_variant(optimizer: dict) -> str:
 def test_variant_zero_stage_is_a_config_error(optimizer, name):
     message = run_distributed(_zero1_variant, world_size=1, args=(optimizer,), timeout=60)[0]
     assert "zero_optimization.stage" in message and name in message
+
+
+def test_onebit_lamb_coefficients_are_handed_out_as_a_copy():
+    from deepspeed.runtime.fp16.onebit.lamb import OnebitLamb
+
+    opt = OnebitLamb.__new__(OnebitLamb)  # the accessor needs no process group
+    opt.lamb_coeffs = [0.5, 1.5]
+    coeffs = opt.get_lamb_coeffs()
+    opt.lamb_coeffs.clear()
+    assert coeffs == [0.5, 1.5]

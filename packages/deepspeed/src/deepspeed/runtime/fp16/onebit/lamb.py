@@ -60,7 +60,8 @@ class OnebitLamb(OnebitOptimizer):
         self.lamb_coeffs: list[float] = []
 
     def get_lamb_coeffs(self) -> list[float]:
-        return self.lamb_coeffs
+        # a copy: the next step() refills the list in place, which would empty the caller's
+        return list(self.lamb_coeffs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
