@@ -105,9 +105,10 @@ def _errors() -> list[str]:
         deepspeed.initialize(model=_llama(True), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
     messages.append(str(conflict.value))
     assert not _autotp_setup._RECORDED  # consumed by the failed initialize: a corrected retry starts clean
-    deepspeed.tp_model_init(_llama(True), tp_size=2, dtype=torch.bfloat16)  # the config trains in fp32
+    deepspeed.tp_model_init(_llama(True), tp_size=2, dtype=torch.bfloat16)  # the config trains in fp16
     with pytest.raises(ConfigError) as dtype:
-        deepspeed.initialize(model=_llama(True), config={**BASE, "tensor_parallel": {"autotp_size": 2}})
+        deepspeed.initialize(model=_llama(True), config={**BASE, "fp16": {"enabled": True},
+                                                         "tensor_parallel": {"autotp_size": 2}})
     messages.append(str(dtype.value))
     assert not _autotp_setup._RECORDED
     return messages
@@ -118,7 +119,7 @@ def test_unsupported_combinations_are_clear_errors():
     assert "zero_optimization.stage" in stage3 and "0, 1 and 2" in stage3
     assert "local_colwise" in plan
     assert "tp_model_init" in conflict and "autotp_size" in conflict
-    assert "bfloat16" in dtype and "fp32" in dtype
+    assert "Conflicting dtype" in dtype and "bfloat16" in dtype and "fp16" in dtype
 
 
 def _checkpoint(save_dir: str) -> bool:

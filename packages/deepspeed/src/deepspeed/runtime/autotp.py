@@ -27,6 +27,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint.autotp_universal import AUTOTP_LAYOUTS, AUTOTP_PARAM_NAMES, universal_checkpoint_info
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.checkpoint.universal import stage0_optimizer
+from deepspeed.module_inject.layers import collect_autotp_universal_checkpoint_info
 from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
 from ds_config import ConfigError, ConfigProblem
 from ds_inference.autotp import (
@@ -98,26 +99,35 @@ def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype, conf
     return model
 
 
-def _tp_size(section: Any, mpu: Any) -> int:
+def _tp_size(config: Any, mpu: Any) -> int:
+    """The AutoTP degree: the config's, merged with ``tp_model_init``'s record (which is written into the
+    config's ``tensor_parallel.autotp_size`` when the config leaves it unset, so the engine reports it)."""
+    section = config.tensor_parallel
     size = section.autotp_size if section.autotp_size > 1 else 0
     recorded = _RECORDED.get("tp_size")
-    if recorded is not None and size and recorded != size:
+    if recorded is None:
+        return size
+    if size and recorded != size:
         raise ConfigError(ConfigProblem("tensor_parallel.autotp_size", f"tp_model_init was called with tp_size="
                                         f"{recorded}; accepted: {recorded}", size))
-    if recorded is not None and _RECORDED.get("tp_group") is not None and mpu is not None:
-        raise ValueError("deepspeed.initialize: tp_model_init gave a tp_group, so mpu must not be passed as well")
-    return size or recorded or 0
+    if _RECORDED.get("tp_group") is not None and mpu is not None:
+        raise ValueError("deepspeed.initialize: tp_model_init provided tp_group, so mpu must not be passed as well")
+    _check_recorded_dtype(config)
+    section.autotp_size = recorded
+    return recorded
 
 
-_PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _check_recorded_dtype(config: Any) -> None:
-    """``tp_model_init(dtype=...)`` must agree with the config's training precision."""
-    recorded = _RECORDED.get("dtype")
-    if recorded is not None and recorded != _PRECISIONS[config.precision]:
-        raise ConfigError(ConfigProblem("fp16/bf16", f"tp_model_init was called with dtype={recorded}, the config "
-                                        f"trains in {config.precision}; make them agree", config.precision))
+    """``tp_model_init(dtype=...)`` must agree with the config's half precision when it enables one (an fp32
+    config takes the recorded dtype as the model's, as DeepSpeed does)."""
+    recorded, trains = _RECORDED.get("dtype"), _PRECISIONS.get(config.precision)
+    if recorded is not None and trains is not None and recorded != trains:
+        raise ConfigError(ConfigProblem("fp16/bf16", f"Conflicting dtype: tp_model_init was called with dtype="
+                                        f"{recorded}, the config trains in {config.precision}; make them agree",
+                                        config.precision))
 
 
 def _groups(tp_size: int, mpu: Any) -> Any:
@@ -198,10 +208,9 @@ def apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optim
 
 def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any, Any]:
     section = config.tensor_parallel
-    tp_size = _tp_size(section, mpu)
+    tp_size = _tp_size(config, mpu)
     if tp_size <= 1:
         return mpu, model_parameters, optimizer
-    _check_recorded_dtype(config)
     if config.zero_stage == 3:
         raise ConfigError(ConfigProblem("zero_optimization.stage", "AutoTP training (tensor_parallel.autotp_size > "
                                         "1) supports ZeRO stages 0, 1 and 2; accepted: 0, 1, 2", 3))
@@ -223,6 +232,8 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
     before = dict(model.named_parameters())
     autotp_shard(model, mpu.get_tensor_model_parallel_group(), layer_specs=layer_specs(model, section),
                  tp_grain_size=section.tp.tp_grain_size, keep_module_on_host=True)
+    # the conversion rules ds_to_universal follows, on the model as DeepSpeed publishes them
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(model))
     after = dict(model.named_parameters())
     renamed = {id(p): after[n] for n, p in before.items() if n in after and after[n] is not p}
     if isinstance(model_parameters, (list, tuple)):

@@ -15,11 +15,16 @@ Expert-parallel and expert-data-parallel groups (``_create_expert_and_data_paral
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed as dist
+import torch
+import torch.distributed as torch_dist
 from torch.distributed import ProcessGroup
+
+import deepspeed.comm as dist
+from deepspeed.utils.logging import log_dist
 
 __all__ = [
     "bwc_pipeline_parallel_group",
@@ -54,6 +59,13 @@ _PIPE = {kind: (f"get_pipeline_model_parallel_{kind}", f"get_pipe_parallel_{kind
 _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE: int | None = None  # set_tensor_model_parallel_world_size() override
 _MPU_TENSOR_MODEL_PARALLEL_RANK: int | None = None  # set_tensor_model_parallel_rank() override
 _SELF_GROUP: tuple[Any, ProcessGroup] | None = None  # (default group it was made under, group of this rank)
+
+# DeepSpeed's explicit data x tensor groups (``_init_tp_mesh_device``); when set they answer the public accessors
+# before any mpu. ``_MODEL_PARALLEL_GROUP`` is the tensor group (2-D data x tensor parallelism).
+_TENSOR_MODEL_PARALLEL_GROUP: Any = None
+_MODEL_PARALLEL_GROUP: Any = None
+_DATA_PARALLEL_GROUP: Any = None
+_DEVICE_MESH_SPLIT_UNSUPPORTED = "No backend for the parent process group or its backend does not support splitting"
 
 
 def register_mpu(new_mpu: Any) -> None:
@@ -112,7 +124,7 @@ def bwc_pipeline_parallel_group(mpu: Any = None) -> ProcessGroup | None:
 
 # ---- the registered mpu, or DeepSpeed's answer without one -------------------------------------------------------
 def _require_dist() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (torch_dist.is_available() and dist.is_initialized()):
         raise RuntimeError("deepspeed.utils.groups: torch.distributed is not initialised; call "
                            "deepspeed.init_distributed() (or deepspeed.initialize) before asking for process groups")
 
@@ -127,34 +139,34 @@ def _from_mpu(names: Sequence[str], fallback: Callable[[], Any]) -> Any:
 def _self_group() -> ProcessGroup:
     """A group of this rank alone, made once per default group; only this rank takes part in creating it."""
     global _SELF_GROUP
-    world = dist.group.WORLD
+    world = torch_dist.group.WORLD
     if _SELF_GROUP is None or _SELF_GROUP[0] is not world:
-        rank = dist.get_rank()
-        if dist.get_backend() == "mpi":  # no group-local creation: every rank makes every singleton, in order
-            group = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+        rank = torch_dist.get_rank()
+        if torch_dist.get_backend() == "mpi":  # no group-local creation: every rank makes every singleton, in order
+            group = [torch_dist.new_group([r]) for r in range(torch_dist.get_world_size())][rank]
         else:
-            group = dist.new_group([rank], use_local_synchronization=True)
+            group = torch_dist.new_group([rank], use_local_synchronization=True)
         _SELF_GROUP = (world, group)
     return _SELF_GROUP[1]
 
 
 def _get_data_parallel_group() -> ProcessGroup:
     """The data-parallel group: the mpu's, else the whole world."""
-    return _from_mpu(("get_data_parallel_group",), lambda: dist.group.WORLD)
+    return _from_mpu(("get_data_parallel_group",), lambda: torch_dist.group.WORLD)
 
 
 def _get_data_parallel_world_size() -> int:
-    return _from_mpu(("get_data_parallel_world_size",), lambda: dist.get_world_size(_get_data_parallel_group()))
+    return _from_mpu(("get_data_parallel_world_size",), lambda: torch_dist.get_world_size(_get_data_parallel_group()))
 
 
 def _get_data_parallel_rank() -> int:
-    return dist.get_rank(group=_get_data_parallel_group())
+    return torch_dist.get_rank(group=_get_data_parallel_group())
 
 
 def _get_data_parallel_group_ranks() -> list[int]:
     """The global ranks of this rank's data-parallel group."""
     return list(_from_mpu(("get_data_parallel_group_ranks",),
-                          lambda: dist.get_process_group_ranks(_get_data_parallel_group())))
+                          lambda: torch_dist.get_process_group_ranks(_get_data_parallel_group())))
 
 
 def _get_model_parallel_group() -> ProcessGroup:
@@ -198,19 +210,103 @@ def _get_sequence_data_parallel_rank() -> int:
 
 def _get_broadcast_src_rank() -> int:
     """The global rank of the first member of the sequence-data-parallel group (the source of broadcasts)."""
-    return dist.get_global_rank(_get_sequence_data_parallel_group(), 0)
+    return torch_dist.get_global_rank(_get_sequence_data_parallel_group(), 0)
+
+
+# ---- explicit data x tensor groups (DeepSpeed's AutoTP mesh) ---------------------------------------------------
+def _tp_dp_sizes(tensor_model_parallel_size: int, data_parallel_size: int | None) -> tuple[int, int]:
+    world = dist.get_world_size()
+    if tensor_model_parallel_size < 1 or world % tensor_model_parallel_size:
+        raise ValueError(f"tensor_model_parallel_size={tensor_model_parallel_size}; accepted: a divisor of the world "
+                         f"size ({world})")
+    dp = world // tensor_model_parallel_size if data_parallel_size is None else data_parallel_size
+    if dp * tensor_model_parallel_size != world:
+        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_model_parallel_size="
+                         f"{tensor_model_parallel_size} must equal the world size ({world})")
+    return tensor_model_parallel_size, dp
+
+
+def _set_tp_groups(data_group: Any, tensor_group: Any) -> tuple[Any, Any]:
+    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP
+    _DATA_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP = data_group, tensor_group
+    _MODEL_PARALLEL_GROUP = tensor_group
+    return _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
+
+
+def _init_tp_groups_with_new_group(tensor_model_parallel_size: int = 1,
+                                   data_parallel_size: int | None = None) -> tuple[Any, Any]:
+    """The data x tensor grid (tensor groups of consecutive ranks) from explicit rank lists: every rank creates
+    every data group, then every tensor group, in order (``new_group`` is collective)."""
+    tp, dp = _tp_dp_sizes(tensor_model_parallel_size, data_parallel_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    tensor = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+    return _set_tp_groups(data[rank % tp], tensor[rank // tp])
+
+
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1,
+                         data_parallel_size: int | None = None) -> tuple[Any, Any] | None:
+    """Create the data x tensor groups once (a second call keeps the first ones and returns None): through a
+    ``DeviceMesh`` of dims ("data_parallel", "tensor_parallel"), or from explicit rank lists where a mesh cannot
+    be used (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or a backend that cannot split groups). Returns (data, tensor)."""
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return None
+    tp, dp = _tp_dp_sizes(tensor_model_parallel_size, data_parallel_size)
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        log_dist("TORCH_DISTRIBUTED_DEBUG=DETAIL: tensor-parallel groups made with new_group", ranks=[0])
+        return _init_tp_groups_with_new_group(tp, dp)
+    try:
+        mesh = _mesh_device((dp, tp), ("data_parallel", "tensor_parallel"))
+    except RuntimeError as exc:
+        if _DEVICE_MESH_SPLIT_UNSUPPORTED not in str(exc):
+            raise
+        log_dist("DeviceMesh cannot split this backend's groups: tensor-parallel groups made with new_group",
+                 ranks=[0])
+        return _init_tp_groups_with_new_group(tp, dp)
+    return _set_tp_groups(mesh.get_group(mesh_dim="data_parallel"), mesh.get_group(mesh_dim="tensor_parallel"))
+
+
+def _mesh_device(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``deepspeed.comm.initialize_mesh_device`` where the comm layer offers it, else torch's ``init_device_mesh``
+    on the accelerator's device type."""
+    make = getattr(dist, "initialize_mesh_device", None)
+    if make is not None:
+        return make(shape, names)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() and torch_dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, shape, mesh_dim_names=names)
 
 
 # ---- the public tensor-parallel API --------------------------------------------------------------------------
 def get_tensor_model_parallel_group() -> ProcessGroup:
-    """The mpu's tensor group (tensor, else slice, else model API), else this rank alone."""
+    """The ``_init_tp_mesh_device`` tensor group, else the mpu's (tensor, else slice, else model API), else this
+    rank alone."""
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return _TENSOR_MODEL_PARALLEL_GROUP
     return _from_mpu(_TENSOR["group"], _self_group)
+
+
+def get_model_parallel_group() -> ProcessGroup:
+    """The ``_init_tp_mesh_device`` model group (the tensor group), else the tensor-parallel group."""
+    if _MODEL_PARALLEL_GROUP is not None:
+        return _MODEL_PARALLEL_GROUP
+    return get_tensor_model_parallel_group()
+
+
+def get_data_parallel_group() -> ProcessGroup:
+    """The ``_init_tp_mesh_device`` data group, else the mpu's, else the whole world."""
+    if _DATA_PARALLEL_GROUP is not None:
+        return _DATA_PARALLEL_GROUP
+    return _get_data_parallel_group()
 
 
 def get_tensor_model_parallel_world_size() -> int:
     """The tensor-parallel size (a ``set_tensor_model_parallel_world_size`` value wins)."""
     if _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
         return _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return torch_dist.get_world_size(_TENSOR_MODEL_PARALLEL_GROUP)
     return _from_mpu(_TENSOR["world_size"], lambda: 1)
 
 
@@ -218,12 +314,14 @@ def get_tensor_model_parallel_rank() -> int:
     """This rank's tensor-parallel rank (a ``set_tensor_model_parallel_rank`` value wins)."""
     if _MPU_TENSOR_MODEL_PARALLEL_RANK is not None:
         return _MPU_TENSOR_MODEL_PARALLEL_RANK
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return torch_dist.get_rank(_TENSOR_MODEL_PARALLEL_GROUP)
     return _from_mpu(_TENSOR["rank"], lambda: 0)
 
 
 def get_tensor_model_parallel_src_rank() -> int:
     """The global rank of tensor-parallel rank 0 in this rank's tensor group."""
-    return dist.get_global_rank(get_tensor_model_parallel_group(), 0)
+    return torch_dist.get_global_rank(get_tensor_model_parallel_group(), 0)
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
@@ -238,10 +336,8 @@ def set_tensor_model_parallel_rank(rank: int | None) -> None:
     _MPU_TENSOR_MODEL_PARALLEL_RANK = rank
 
 
-get_model_parallel_group = get_tensor_model_parallel_group
 get_model_parallel_world_size = get_tensor_model_parallel_world_size
 get_model_parallel_rank = get_tensor_model_parallel_rank
-get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size
 get_data_parallel_rank = _get_data_parallel_rank
 

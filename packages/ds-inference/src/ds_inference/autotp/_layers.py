@@ -65,21 +65,57 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
         # Megatron's marker: a sliced parameter (each rank holds a different part) counts in the gradient norm on
         # every tensor-parallel rank; replicated ones are counted once.
         param.tensor_model_parallel = dim is not None
+        if dim is not None:
+            self._publish_tp_hooks(param)
         self.register_parameter(pname, param)
 
     def partition_dims(self) -> dict[str, int | None]:
         """Split dimension of each own parameter (None: replicated)."""
         return {name: dim for name, dim in self._tp_dims.items() if getattr(self, name) is not None}
 
+    def _publish_tp_hooks(self, param: nn.Parameter) -> None:
+        """DeepSpeed's per-parameter hooks on a sliced parameter: ``param.gather_params([param])`` makes its data
+        the full tensor, ``param._tp_partition([param])`` cuts it back to this rank's shard (ZeRO-3 and
+        ``GatherReplacedLayerParams`` call them); ``ds_is_replaced_module`` marks it as AutoTP's."""
+        param.gather_params = self.gather_params
+        param._tp_partition = self._tp_partition
+        param.ds_is_replaced_module = True
+
+    def _pname(self, param: torch.Tensor) -> str:
+        for name in self._tp_dims:
+            if getattr(self, name, None) is param:
+                return name
+        raise ValueError(f"{self.name}: the given parameter {tuple(param.shape)} is not one of this layer's "
+                         f"({sorted(self._tp_dims)})")
+
+    def _full(self, param: torch.Tensor) -> torch.Tensor:
+        pname = self._pname(param)
+        dim, local = self._tp_dims[pname], param.detach()
+        if dim is None or not self._collective or self.tp_world_size == 1:
+            return local.clone()
+        return self._tp_layouts[pname].gather(local, dim, self.tp_group)
+
     @torch.no_grad()
-    def gather_params(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) tensors of the own parameters; a collective over the group."""
-        full = {}
-        for name, dim in self.partition_dims().items():
-            local = getattr(self, name).detach()
-            whole = dim is None or not self._collective
-            full[name] = local.clone() if whole else self._tp_layouts[name].gather(local, dim, self.tp_group)
-        return full
+    def gather_params(self, params_list: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor] | None:
+        """``params_list`` given (DeepSpeed): replace each parameter's data by the full tensor, in place.
+        Without it: the full tensors of the own parameters by name. A collective over the group."""
+        if params_list is None:
+            return {name: self._full(getattr(self, name)) for name in self.partition_dims()}
+        for param in params_list:
+            if param is not None:
+                param.data = self._full(param).contiguous()
+        return None
+
+    @torch.no_grad()
+    def _tp_partition(self, params_list: list[torch.Tensor | None]) -> None:
+        """Cut each given full parameter to this rank's shard, in place (one already cut is left as it is)."""
+        for param in params_list:
+            if param is None:
+                continue
+            pname = self._pname(param)
+            dim = self._tp_dims[pname]
+            if dim is not None and param.shape[dim] == self._tp_layouts[pname].full:
+                param.data = self._tp_layouts[pname].take(param.data, self.tp_index, dim)
 
     @torch.no_grad()
     def load_full_param(self, name: str, full: torch.Tensor) -> None:

@@ -102,6 +102,8 @@ class LinearSplitMixin:
             param.data = param.data.to(device)
         # Megatron's marker: a sliced parameter counts in the gradient norm on every tensor-parallel rank
         param.tensor_model_parallel = dim is not None
+        if dim is not None:
+            self._publish_tp_hooks(param)
         self.register_parameter(pname, param)
 
     # ---- DeepSpeed's per-layer methods
@@ -132,39 +134,19 @@ class LinearSplitMixin:
         self._subparam_shard_widths = subparam_widths(self._sizes(), self.tp_world_size, self._split_name())
         return self._partition_sizes
 
-    def _pname(self, param: torch.Tensor) -> str:
-        return "bias" if param is getattr(self, "bias", None) else "weight"
-
     @torch.no_grad()
     def _tp_partition(self, params_list: list[torch.Tensor | None]) -> None:
         """Cut each given full parameter to this rank's shard, in place."""
         if self._unsupported_reason and self.tp_world_size > 1:
             raise RuntimeError(self._unsupported_reason)
-        for param in params_list:
-            if param is not None and self._tp_dims[self._pname(param)] is not None:
-                pname = self._pname(param)
-                param.data = self._tp_layouts[pname].take(param.data, self.tp_index, self._tp_dims[pname])
+        super()._tp_partition(params_list)
 
     @torch.no_grad()
     def gather_params(self, params_list: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor] | None:
-        """``params_list`` given (DeepSpeed): replace each parameter's data by the full tensor, in place.
-        Without it: the full tensors of the own parameters by name. A collective over the group."""
+        """As the base layer's (in place with ``params_list``, else full tensors by name)."""
         if self._unsupported_reason:
             raise RuntimeError(self._unsupported_reason)
-        if params_list is None:
-            return {name: self._full(getattr(self, name)) for name in self.partition_dims()}
-        for param in params_list:
-            if param is not None:
-                param.data = self._full(param).contiguous()
-        return None
-
-    def _full(self, param: torch.Tensor) -> torch.Tensor:
-        pname = self._pname(param)
-        dim = self._tp_dims[pname]
-        local = param.detach()
-        if dim is None or not self._collective or self.tp_world_size == 1:
-            return local.clone()
-        return self._tp_layouts[pname].gather(local, dim, self.tp_group)
+        return super().gather_params(params_list)
 
     def _mark_uc_metadata(self) -> None:
         """Attach the universal-checkpoint description (DeepSpeed's format) to the weight and the bias."""
