@@ -152,6 +152,8 @@ def test_filter_match_without_criteria_is_every_rank():
 def test_default_topology_alternates_prime_factors():
     """DeepSpeed's grid without a topology: factors of the world size go to pipe, data, pipe, ..."""
     assert _prime_factors(1) == [] and _prime_factors(12) == [2, 2, 3] and _prime_factors(97) == [97]
+    with pytest.raises(ValueError, match="n=0 is invalid"):
+        _prime_factors(0)
     cases = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2), 12: (6, 2), 6: (2, 3)}
     for world, (pp, dp) in cases.items():
         topo = default_topology(world)

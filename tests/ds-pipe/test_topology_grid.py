@@ -115,9 +115,10 @@ def test_grid_without_a_topology_uses_deepspeeds_default():
     _check(got, PipeDataParallelTopology(num_pp=2, num_dp=2))
 
 
-def _stage_to_global_with_overrides() -> list[int]:
+def _stage_to_global_with_overrides() -> list:
     grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2))
-    return [grid.stage_to_global(1), grid.stage_to_global(0, data=1), grid.stage_to_global(1, model=0, data=0)]
+    return [grid.stage_to_global(1), grid.stage_to_global(0, data=1), grid.stage_to_global(1, model=0, data=0),
+            grid._is_grid_valid()]
 
 
 def test_stage_to_global_keeps_the_other_coordinates_unless_overridden():
@@ -126,7 +127,7 @@ def test_stage_to_global_keeps_the_other_coordinates_unless_overridden():
     for rank, ranks in enumerate(got):
         c = topo.get_coord(rank)
         assert ranks == [topo.get_rank(pipe=1, data=c.data, model=c.model),
-                         topo.get_rank(pipe=0, data=1, model=c.model), topo.get_rank(pipe=1, data=0, model=0)]
+                         topo.get_rank(pipe=0, data=1, model=c.model), topo.get_rank(pipe=1, data=0, model=0), True]
 
 
 def _subgroup_grids() -> dict:

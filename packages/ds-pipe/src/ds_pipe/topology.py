@@ -164,7 +164,9 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 
 def _prime_factors(n: int) -> list[int]:
-    """Prime factors of ``n`` in ascending order (``12 -> [2, 2, 3]``)."""
+    """Prime factors of ``n`` in ascending order (``12 -> [2, 2, 3]``; ``1 -> []``)."""
+    if n <= 0:
+        raise ValueError(f"_prime_factors: n={n} is invalid; accepted: a positive integer")
     factors, p = [], 2
     while p * p <= n:
         while n % p == 0:
@@ -226,6 +228,10 @@ class PipelineParallelGrid:
         self.prev_stage = self.stage_id - 1
         self.next_stage = self.stage_id + 1
         self._build_groups()
+
+    def _is_grid_valid(self) -> bool:
+        """The topology covers exactly the grid's ranks (always true of a built grid: the constructor checks it)."""
+        return self._topo.world_size() == self.world_size
 
     def _build_groups(self) -> None:
         """DeepSpeed's creation order: replica ("model") groups, data, pipe, then slice groups."""
