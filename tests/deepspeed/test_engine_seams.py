@@ -296,3 +296,30 @@ def _mesh_body() -> dict:
 def test_mesh_param():
     for r in run_distributed(_mesh_body, world_size=2, timeout=60):
         assert r["dp"] == 2 and "mesh_param=(1, 2)" in r["error"] and "data-parallel" in r["error"]
+
+
+# -- a client optimizer whose groups have no learning rate -----------------------------------------------------
+class _NoRateSGD(torch.optim.Optimizer):
+    def __init__(self, params) -> None:  # noqa: ANN001
+        super().__init__(params, defaults={})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1)
+
+
+def _no_rate_body() -> list:
+    import deepspeed
+
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_NoRateSGD(model.parameters()),
+                                           config={**BASE, "steps_per_print": 1})
+    _one_step(engine)
+    return engine.get_lr()
+
+
+def test_get_lr_of_groups_without_a_rate_is_zero():
+    assert run_distributed(_no_rate_body, world_size=1, timeout=60)[0] == [0.0]  # as DeepSpeed reports it

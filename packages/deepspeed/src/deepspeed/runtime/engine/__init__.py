@@ -390,7 +390,8 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
 
     # ---- read-outs ---------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+        # 0.0 for a group without a rate (a client optimizer with empty defaults), as DeepSpeed reports it
+        return [group.get("lr", 0.0) for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_mom(self) -> list[Any]:
         groups = self.optimizer.param_groups if self.optimizer is not None else []
