@@ -116,7 +116,7 @@ def _errors() -> list[str]:
 
 def test_unsupported_combinations_are_clear_errors():
     stage3, plan, conflict, dtype = run_distributed(_errors, world_size=2, timeout=120)[0]
-    assert "zero_optimization.stage" in stage3 and "0, 1 and 2" in stage3
+    assert "gradient_clipping" in stage3 and "tensor-parallel group" in stage3  # BASE clips; ZeRO-3 cannot yet
     assert "local_colwise" in plan
     assert "tp_model_init" in conflict and "autotp_size" in conflict
     assert "Conflicting dtype" in dtype and "bfloat16" in dtype and "fp16" in dtype

@@ -124,8 +124,10 @@ def test_unknown_top_level_key_suggests_and_strict_false_warns():
     ({"amp": {"enabled": True}, "fp16": {"enabled": True}}, "amp.enabled", "cannot be combined with fp16"),
     ({"amp": {"enabled": True}, "zero_optimization": {"stage": 1}}, "amp.enabled", "not compatible with ZeRO"),
     ({"pipeline": {"stages": 4}, "zero_optimization": {"stage": 2}}, "zero_optimization.stage", "stage 0 or 1"),
-    ({"tensor_parallel": {"autotp_size": 4}, "zero_optimization": {"stage": 3}}, "tensor_parallel.autotp_size",
-     "ZeRO stages 0, 1 and 2"),
+    ({"tensor_parallel": {"autotp_size": 4}, "zero_optimization": {"stage": 3}, "gradient_clipping": 1.0},
+     "gradient_clipping", "tensor-parallel group"),
+    ({"tensor_parallel": {"autotp_size": 4}, "zero_optimization": {"stage": 3}, "fp16": {"enabled": True}},
+     "fp16.enabled", "tensor-parallel group"),
     ({"expert_parallel": {"enabled": True}, "zero_optimization": {"stage": 3}}, "expert_parallel.enabled",
      "ZeRO stages 0, 1 and 2"),
     ({"expert_parallel": {"enabled": True}, "tensor_parallel": {"autotp_size": 2}}, "expert_parallel.enabled",
@@ -143,6 +145,7 @@ def test_incompatible_combinations_say_why(config, path, why):
 
 def test_compatible_combinations():
     load_config({"tensor_parallel": {"autotp_size": 4}, "zero_optimization": {"stage": 2}})
+    load_config({"tensor_parallel": {"autotp_size": 4}, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
     load_config({"expert_parallel": {"enabled": True, "autoep_size": 4, "preset_model": "Mixtral"}})
     load_config({"pipeline": {"stages": 4}, "zero_optimization": {"stage": 1}})
     load_config({"elasticity": {"enabled": True, "ignore_non_elastic_batch_info": True}, "train_batch_size": 8})

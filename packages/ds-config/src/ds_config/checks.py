@@ -40,9 +40,16 @@ def _parallel(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
     out = []
     stage = cfg.zero_stage
     if cfg.tensor_parallel.enabled and stage == 3:
-        out.append(ConfigProblem("tensor_parallel.autotp_size", "AutoTP training supports ZeRO stages 0, 1 and "
-                                 "2 only: ZeRO-3 would partition the already tensor-sharded weights again "
-                                 "(zero_optimization.stage is 3)", cfg.tensor_parallel.autotp_size))
+        # each tensor shard is partitioned over its data-parallel group; ZeRO-3's gradient norm and fp16 overflow
+        # check span that group only, so what needs the tensor group to agree is refused rather than run apart
+        if cfg.gradient_clipping > 0:
+            out.append(ConfigProblem("gradient_clipping", "AutoTP (tensor_parallel.autotp_size > 1) with ZeRO stage "
+                                     "3 does not clip yet: the norm would not span the tensor-parallel group; "
+                                     "accepted: 0 (or ZeRO stage 0, 1, 2)", cfg.gradient_clipping))
+        if cfg.fp16_enabled:
+            out.append(ConfigProblem("fp16.enabled", "AutoTP (tensor_parallel.autotp_size > 1) with ZeRO stage 3 "
+                                     "trains in bf16 or fp32: fp16's overflow check would not span the "
+                                     "tensor-parallel group; accepted: false (or ZeRO stage 0, 1, 2)", True))
     if cfg.expert_parallel.enabled and stage == 3:
         out.append(ConfigProblem("expert_parallel.enabled", "AutoEP supports ZeRO stages 0, 1 and 2 only: "
                                  "ZeRO-3's partitioned parameters are outside AutoEP's scope "

@@ -11,6 +11,8 @@ another TP size (the weights; optimizer states by a plain load only at the saved
 record each sharded parameter's layout (``autotp_layouts``), so ``ds_to_universal`` puts values and optimizer
 moments back together and a Universal Checkpoint resumes at any TP size (:meth:`AutoTPCheckpointShards.
 universal_reader` cuts each rank's shard at load).
+ZeRO-3 partitions each rank's tensor shard over its data-parallel group (bf16/fp32, no clipping: ds_config says
+why). The first forward checks that every rank of a tensor group got the same inputs (:class:`TPInputCheck`).
 """
 
 from __future__ import annotations
@@ -211,9 +213,6 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
     tp_size = _tp_size(config, mpu)
     if tp_size <= 1:
         return mpu, model_parameters, optimizer
-    if config.zero_stage == 3:
-        raise ConfigError(ConfigProblem("zero_optimization.stage", "AutoTP training (tensor_parallel.autotp_size > "
-                                        "1) supports ZeRO stages 0, 1 and 2; accepted: 0, 1, 2", 3))
     if config.expert_parallel.enabled:
         raise ConfigError(ConfigProblem("expert_parallel.enabled", "AutoEP cannot be combined with AutoTP "
                                         "(tensor_parallel.autotp_size > 1)", True))
@@ -232,6 +231,7 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
     before = dict(model.named_parameters())
     autotp_shard(model, mpu.get_tensor_model_parallel_group(), layer_specs=layer_specs(model, section),
                  tp_grain_size=section.tp.tp_grain_size, keep_module_on_host=True)
+    TPInputCheck(model, mpu.get_tensor_model_parallel_group())
     # the conversion rules ds_to_universal follows, on the model as DeepSpeed publishes them
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(model))
     after = dict(model.named_parameters())
@@ -242,6 +242,43 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
         for group in optimizer.param_groups:
             group["params"] = _remap(group["params"], renamed)
     return mpu, model_parameters, optimizer
+
+
+TP_INPUT_MISMATCH = ("Data inconsistency within the TP group. Please check the Dataloader implementation to ensure "
+                     "consistency.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal structures: tensors equal in shape and values (compared on the CPU), containers item by item."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and torch.equal(a.detach().cpu(), b.detach().cpu())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+class TPInputCheck:
+    """The first forward's inputs must be the same on every rank of a tensor group (each computes a slice of
+    one sample); as DeepSpeed: tensor rank 0 broadcasts its positional and keyword inputs, every rank compares,
+    and a mismatch anywhere raises ``AssertionError`` on every rank of the group (after one all-reduce, so none
+    goes on to the layers' collectives alone). Passed once, the hook removes itself."""
+
+    def __init__(self, module: torch.nn.Module, group: Any) -> None:
+        self.group = group
+        self._handle = module.register_forward_pre_hook(self, prepend=True, with_kwargs=True)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        src = dist.get_global_rank(self.group, 0)
+        sent: list[Any] = [(args, kwargs) if dist.get_rank() == src else None]
+        dist.broadcast_object_list(sent, src=src, group=self.group)
+        agree = torch.tensor([int(_same((args, kwargs), sent[0]))])
+        dist.all_reduce(agree, group=self.group)
+        if int(agree) != dist.get_world_size(self.group):
+            raise AssertionError(TP_INPUT_MISMATCH)
+        self._handle.remove()
 
 
 class AutoTPCheckpointShards:
