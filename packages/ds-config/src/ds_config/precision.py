@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from ds_config._base import DSConfigModel
-from ds_config._types import Bool, DType, Float, LowDType, NonNeg, PosInt
+from ds_config._types import Bool, DType, Float, Int, LowDType, NonNeg, PosInt
 
 DEFAULT_AUTOCAST_LOWER_PRECISION_MODULES = ["torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d"]
 """Modules whose gradients/parameters ``torch_autocast`` downcasts for communication when none are listed."""
@@ -24,16 +24,35 @@ class FP16Config(DSConfigModel):
     """Static loss scale; ``0.0`` selects dynamic loss scaling."""
     initial_scale_power: NonNeg = 32
     """Dynamic loss scaling starts at ``2**initial_scale_power`` (the documented default is 32)."""
-    loss_scale_window: PosInt = 1000
-    """Steps without overflow before the dynamic loss scale is raised."""
+    loss_scale_window: Int = 1000
+    """Steps without overflow before the dynamic loss scale is raised (> 0 when the scale is dynamic)."""
     hysteresis: PosInt = 2
     """Overflows tolerated before the dynamic loss scale is lowered (delay shift)."""
     consecutive_hysteresis: Bool = False
     """Refill the hysteresis counter on every step that does not overflow."""
-    min_loss_scale: Float = Field(1000, gt=0)
-    """Floor of the dynamic loss scale (the documented default is 1000)."""
+    min_loss_scale: Float = 1000
+    """Floor of the dynamic loss scale (the documented default is 1000; > 0 when the scale is dynamic)."""
     fp16_master_weights_and_grads: Bool = False
     """Keep master weights and gradients in fp16 (ZeRO-Offload with CPU Adam only)."""
+
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _loss_scale_is_a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"fp16.loss_scale must be a number (0 for dynamic loss scaling), got "
+                             f"{type(value).__name__} {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_bounds(self) -> FP16Config:
+        # as DeepSpeed: the window and the floor only matter while the scale is dynamic (fp16 on, loss_scale 0),
+        # so other configs may carry any value for them
+        if self.enabled and self.loss_scale == 0:
+            for key in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, key) <= 0:
+                    raise ValueError(f"fp16.{key} must be > 0 when dynamic loss scaling is on (loss_scale 0), "
+                                     f"got {getattr(self, key)}")
+        return self
 
     @property
     def dynamic_loss_scale(self) -> bool:
