@@ -59,3 +59,18 @@ def _mismatch() -> tuple[str, bool]:
 def test_first_forward_checks_inputs_across_the_tensor_group():
     for message, passed in run_distributed(_mismatch, 4, timeout=120):
         assert message.startswith("Data inconsistency within the TP group") and passed
+
+
+def _consolidated() -> bool | None:
+    import torch
+
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).state_dict()
+    state = _engine(0)._consolidated_16bit_state_dict()  # same seed: the engine's model starts as `whole`
+    if state is None:
+        return None
+    return state.keys() == whole.keys() and all(torch.equal(state[k], whole[k]) for k in whole)
+
+
+def test_autotp_consolidated_state_dict_is_rank0s_only():
+    assert run_distributed(_consolidated, 2, timeout=120) == [True, None]

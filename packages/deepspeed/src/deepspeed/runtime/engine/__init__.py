@@ -456,9 +456,10 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                                               exclude_frozen_parameters=exclude_frozen_parameters,
                                               state_dict=state_dict)
 
-    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The whole model's weights when they are partitioned (ZeRO-3) or sharded (AutoTP): what
-        ``save_16bit_model`` writes and Accelerate's ``get_state_dict`` asks for. Collective."""
+        ``save_16bit_model`` writes and Accelerate's ``get_state_dict`` asks for. Collective; with AutoTP only
+        global rank 0 gets the state dict, the others None (as in DeepSpeed)."""
         if self.zero3_scheduler is not None:
             return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.mp_world_size > 1:
@@ -469,7 +470,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
                 if exclude_frozen_parameters:
                     frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
                     state = type(state)((k, v) for k, v in state.items() if k not in frozen)
-                return state
+                return state if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0 else None
         raise ValueError("_consolidated_16bit_state_dict: the weights are neither partitioned (ZeRO stage 3) nor "
                          "tensor-parallel sharded (tensor_parallel.autotp_size > 1); use engine.module.state_dict()")
 
