@@ -28,3 +28,15 @@ def test_explicit_tp_groups_answer_the_accessors():
         assert result["tensor"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert result["model_is_tensor"] and result["again"] is None
         assert result["tp"] == (2, rank % 2)
+
+
+def _mesh_body() -> tuple:
+    import deepspeed.comm as ds_comm
+
+    mesh = ds_comm.initialize_mesh_device((2,), ("data",))
+    return mesh.device_type, tuple(mesh.mesh.tolist()), mesh.mesh_dim_names
+
+
+def test_initialize_mesh_device_is_a_torch_device_mesh():
+    for out in run_distributed(_mesh_body, world_size=2, timeout=60):
+        assert out == ("cpu", (0, 1), ("data",))

@@ -121,6 +121,11 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self._enable_universal_checkpoint()
         register(self, list(self.home))
 
+
+    @property
+    def _global_grad_norm(self) -> float | None:  # DeepSpeed's name for the last step's norm
+        return self.global_grad_norm
+
     def _enable_universal_checkpoint(self) -> None:
         """Cache the parameters' universal-checkpoint description (saved with the state dict). DeepSpeed also
         binds its fragment loader to each parameter here; this optimizer restores a Universal Checkpoint through

@@ -71,7 +71,8 @@ __all__ = [
     "comms_logger", "configure", "default_pg_timeout", "destroy_process_group", "gather", "gather_object",
     "get_all_ranks_from_group", "get_backend", "get_global_rank", "get_local_rank", "get_rank",
     "get_world_group", "get_world_size", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",
-    "inference_all_reduce", "init_distributed", "irecv", "is_available", "is_initialized", "isend",
+    "inference_all_reduce", "init_distributed", "initialize_mesh_device", "irecv", "is_available",
+    "is_initialized", "isend",
     "log_summary", "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "scatter", "send",
 ]
@@ -213,6 +214,18 @@ def get_all_ranks_from_group(group=None) -> list[int]:
 
 def get_world_group():
     return dist.group.WORLD
+
+
+def initialize_mesh_device(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]):
+    """A torch ``DeviceMesh`` of ``mesh_shape`` over the world, on the accelerator's device type (collective)."""
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_mesh_device: torch.distributed is not initialized; call "
+                           "deepspeed.init_distributed() first")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from deepspeed.accelerator import get_accelerator
+
+    return init_device_mesh(get_accelerator().device_name(), tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names))
 
 
 def get_backend(group=None) -> str:
