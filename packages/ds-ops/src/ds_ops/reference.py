@@ -22,6 +22,20 @@ def _write_back(targets: Tensors, values: Tensors) -> None:
             target.copy_(value)
 
 
+def _apply_adam_step(p32: Tensors, m32: Tensors, v32: Tensors, steps: list[int], lr: float, beta1: float,
+                     beta2: float, eps: float, bias_correction: bool, sign: float) -> None:
+    """``p += sign * step_size * m / (sqrt(v) / sqrt(bc2) + eps)``: -1 takes Adam's step, +1 takes it back."""
+    if bias_correction:
+        step_sizes = [sign * lr / (1.0 - beta1**s) for s in steps]
+        bc2_sqrt = [(1.0 - beta2**s) ** 0.5 for s in steps]
+    else:
+        step_sizes, bc2_sqrt = [sign * lr] * len(steps), [1.0] * len(steps)
+    denom = torch._foreach_sqrt(v32)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p32, m32, denom, step_sizes)
+
+
 def adam_update(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: list[int], *,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool,
                 adamw_mode: bool) -> None:
@@ -36,15 +50,7 @@ def adam_update(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     torch._foreach_add_(m32, g32, alpha=1.0 - beta1)
     torch._foreach_mul_(v32, beta2)
     torch._foreach_addcmul_(v32, g32, g32, value=1.0 - beta2)
-    if bias_correction:
-        step_sizes = [lr / (1.0 - beta1**s) for s in steps]
-        bc2_sqrt = [(1.0 - beta2**s) ** 0.5 for s in steps]
-    else:
-        step_sizes, bc2_sqrt = [lr] * len(steps), [1.0] * len(steps)
-    denom = torch._foreach_sqrt(v32)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(p32, m32, denom, [-s for s in step_sizes])
+    _apply_adam_step(p32, m32, v32, steps, lr, beta1, beta2, eps, bias_correction, sign=-1.0)
     for targets, values in ((params, p32), (exp_avgs, m32), (exp_avg_sqs, v32)):
         _write_back(targets, values)
 
@@ -55,15 +61,7 @@ def adam_rollback(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sq
     """Undo :func:`adam_update` of step ``steps`` (the same gradients and hyper-parameters) in place: the
     parameters and both moments return to their values before that step, up to rounding."""
     p32, g32, m32, v32 = _f32(params), _f32(grads), _f32(exp_avgs), _f32(exp_avg_sqs)
-    if bias_correction:
-        step_sizes = [lr / (1.0 - beta1**s) for s in steps]
-        bc2_sqrt = [(1.0 - beta2**s) ** 0.5 for s in steps]
-    else:
-        step_sizes, bc2_sqrt = [lr] * len(steps), [1.0] * len(steps)
-    denom = torch._foreach_sqrt(v32)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(p32, m32, denom, step_sizes)
+    _apply_adam_step(p32, m32, v32, steps, lr, beta1, beta2, eps, bias_correction, sign=1.0)
     if weight_decay:
         if adamw_mode:
             torch._foreach_div_(p32, 1.0 - lr * weight_decay)
