@@ -12,10 +12,15 @@ frees it after the step, as DeepSpeed does, since stage 1 holds full gradients i
 A group is partitioned over the data-parallel group unless its owner gives it another one (:class:`GroupComm`:
 MoE expert groups are partitioned and reduced over their expert-data-parallel group); ``process_group`` and
 ``grad_divisor`` say over which ranks its gradients are summed and by what they are divided.
+
+Flattening needs room for the flat buffer next to the parameters it copies. When the parameters' device has
+less free memory than the buffer takes, the parameters move to the CPU first (freeing their device memory), the
+buffer is built there and moved to the device, as DeepSpeed does; ``flattened_on_device`` says which way it went.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,24 @@ class GroupComm:
     group: Any = None
     world_size: int = 1
     grad_divisor: float | None = None
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device`` (for the CPU: the physical memory not in use), or None when the
+    device cannot say."""
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    accel = getattr(torch, "accelerator", None)
+    info = getattr(accel, "get_memory_info", None)
+    try:
+        return info(device)[0] if info is not None else None
+    except (RuntimeError, TypeError):
+        return None
 
 
 def param_homes(groups: list[FlatGroup]) -> dict[torch.nn.Parameter, tuple[int, int]]:
@@ -93,15 +116,24 @@ class FlatGroup:
             self._grad_partition = None
 
     def _flatten_params(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        for p in self.params:
+            if p.dtype != dtype or p.device != device:
+                raise ValueError(f"ZeRO: parameter of shape {tuple(p.shape)} is {p.dtype} on {p.device}; every "
+                                 f"parameter of an optimizer group must share {dtype} on {device}")
+        need = self.layout.padded_numel * torch.empty((), dtype=dtype).element_size()
+        free = free_memory_bytes(device)
+        self.flattened_on_device = free is None or free >= need
+        staging = device if self.flattened_on_device else torch.device("cpu")
         with torch.no_grad():
+            if staging != device:  # free the parameters' device memory before the buffer takes its place
+                for p in self.params:
+                    p.data = p.data.to(staging)
+            flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=staging)
             for p, offset in zip(self.params, self.layout.offsets, strict=True):
-                if p.dtype != dtype or p.device != device:
-                    raise ValueError(f"ZeRO: parameter of shape {tuple(p.shape)} is {p.dtype} on {p.device}; every "
-                                     f"parameter of an optimizer group must share {dtype} on {device}")
-                view = flat[offset:offset + p.numel()].view_as(p)
-                view.copy_(p.data)
-                p.data = view
+                flat[offset:offset + p.numel()].copy_(p.data.reshape(-1))
+            flat = flat.to(device)
+            for p, offset in zip(self.params, self.layout.offsets, strict=True):
+                p.data = flat[offset:offset + p.numel()].view_as(p)
         return flat
 
     # ---- copies between the partitions --------------------------------------------------------------

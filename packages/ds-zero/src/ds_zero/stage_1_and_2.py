@@ -25,6 +25,7 @@ The memory estimators live in ``ds_zero.estimate`` and are re-exported here, at 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,8 +46,11 @@ from ds_zero.estimate import zero2_model_to_params as model_to_params
 from ds_zero.gather import gather_method, gather_partitions
 from ds_zero.grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
 from ds_zero.loss_scaled import LossScaledWrapper
+from ds_zero.muon import ZeroMuon
 from ds_zero.optimizer_state import load_partitioned_state, partitioned_state_dict, universal_checkpoint_info_of
 from ds_zero.registry import register
+
+logger = logging.getLogger("DeepSpeed")  # DeepSpeed's logger (deepspeed.utils.logger), by name
 
 __all__ = [
     "DeepSpeedZeroOptimizer",
@@ -117,6 +121,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
                                           settings.reduce, dp_group, self.world, settings.stage, comm)
         self._gather = [gather_method(fg.process_group, settings.allgather_partitions) if fg.layout.world_size > 1
                         else "none" for fg in self.groups]
+        self._muon = ZeroMuon.for_stage12(self)  # Muon groups: updates from full gradients (ds_zero.muon)
         self.bit16_groups = [list(fg.params) for fg in self.groups]  # DeepSpeed's name: the model's params per group
         self._enable_universal_checkpoint()
         register(self, list(self.home))
@@ -177,6 +182,8 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
                            round_robin=s.round_robin_gradients, pin_memory=s.pin_memory,
                            persistent_grads=s.stage >= 2)
             fg.process_group, fg.grad_divisor = process_group, divisor
+            logger.info(f"Flattening param group {index} on " + (f"{fg.lp_flat.device.type} (sufficient memory)"
+                        if fg.flattened_on_device else "CPU (insufficient memory)"))
             group["params"] = [fg.master]
             groups.append(fg)
         self.optimizer.state.clear()  # state keyed by the model's tensors would no longer match
@@ -187,6 +194,12 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
     def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
         """DeepSpeed's name for this rank's fp32 master partition of each parameter group."""
         return [fg.master for fg in self.groups]
+
+    @property
+    def bit16_groups_flat(self) -> list[torch.Tensor]:
+        """DeepSpeed's name for each parameter group's flat buffer of model weights (the model's parameters are
+        views of it; padded to ``2 * world_size`` elements, detached from autograd)."""
+        return [fg.lp_flat for fg in self.groups]
 
     @property
     def partition_gradients(self) -> bool:
@@ -278,6 +291,8 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
             if coef != 1.0:
                 g.mul_(coef)
             fg.master.grad = g
+        if self._muon is not None:
+            self._muon.apply(grads)
         self._update()
         for fg in self.groups:
             fg.master.grad = None
