@@ -119,7 +119,7 @@ def _config_sources_body() -> list[str]:
     for kwargs in ({}, {"config": BASE, "config_params": dict(BASE)},
                    {"config": BASE, "args": argparse.Namespace(deepspeed_config="x.json")},
                    {"config": BASE, "model": None},
-                   {"config": {**BASE, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}}}},
+                   {"config": {**BASE, "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "ns_method": "fast"}}}},
                    {"config": {**BASE, "optimizer": {"type": "NoSuchOpt"}}}):
         kwargs.setdefault("model", _model())
         try:
@@ -141,7 +141,7 @@ def test_bad_inputs_give_clear_errors():
     assert "config_params" in errors[1]
     assert "args.deepspeed_config" in errors[2]
     assert "model is required" in errors[3]
-    assert "optimizer.type" in errors[4] and "not available in this version" in errors[4]
+    assert "optimizer.params.ns_method='fast'" in errors[4] and "'gram', 'standard'" in errors[4]
     assert "optimizer.type" in errors[5] and "NoSuchOpt" in errors[5] and "SGD" in errors[5]
     assert "scalar tensor" in errors[6] and "(3,)" in errors[6]
 

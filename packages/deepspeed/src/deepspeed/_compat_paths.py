@@ -43,6 +43,10 @@ COMPAT_PATHS: dict[str, str] = {
     # ZeRO (ds-zero, issue 7)
     "deepspeed.runtime.zero.stage_1_and_2": "ds_zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3": "ds_zero.stage3",
+    # Muon (ds-ops: the update math and optimizers; ds_zero.muon runs it on full gradients under ZeRO)
+    "deepspeed.runtime.zero.muon": "ds_ops.muon",
+    "deepspeed.runtime.zero.muon.original_muon": "ds_ops.muon.original",
+    "deepspeed.runtime.zero.muon.muon_optimizer": "ds_ops.muon.optimizer",
     # ZeRO-3 (ds-zero, issue 12)
     "deepspeed.zero": "ds_zero.zero3",
     "deepspeed.runtime.zero.partition_parameters": "ds_zero.partition_parameters",

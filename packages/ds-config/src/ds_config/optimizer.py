@@ -37,6 +37,7 @@ KNOWN_PARAMS: dict[str, set[str]] = {
     "onebitadam": _ADAM | _COMM,
     "zerooneadam": _ADAM | _COMM | {"var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"},
     "onebitlamb": _LAMB | _COMM | {"coeff_beta", "factor_max", "factor_min", "factor_threshold"},
+    "muon": {"lr", "momentum", "weight_decay", "muon_lr", "adam_lr", "ns_method", "betas", "eps"},
 }
 """Parameters each DeepSpeed optimizer's constructor accepts (a near-miss of one of these gets a warning)."""
 
@@ -51,6 +52,14 @@ PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
                    "factor_threshold": 0.1},
 }
 """Documented defaults of the DeepSpeed-specific parameters, per optimizer (lower-case type)."""
+
+
+MUON_NS_METHODS = ("gram", "standard")
+"""Muon's Newton-Schulz variants (``optimizer.params.ns_method``; default "gram")."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class OptimizerParams(DSConfigModel):
@@ -129,10 +138,32 @@ class OptimizerConfig(DSConfigModel):
     def _warn_near_misses(self) -> OptimizerConfig:
         known = KNOWN_PARAMS.get(self.name)
         for key in (self.params.model_extra or {}) if known else ():
-            hint = did_you_mean(key, known)
+            hint = did_you_mean(key, known) if key not in known else ""
             if hint:
                 warnings.warn(f"optimizer.params.{key}: not a parameter of {self.type}{hint}",
                               UnknownConfigKeyWarning, stacklevel=2)
+        return self
+
+    @model_validator(mode="after")
+    def _check_muon(self) -> OptimizerConfig:
+        """Muon's own parameters (DeepSpeed reads these five; ``lr``/``betas``/``eps``/``weight_decay`` as usual)."""
+        if self.name != "muon":
+            return self
+        given = self.params.given()
+        problems = []
+        method = given.get("ns_method")
+        if method is not None and method != "auto" and method not in MUON_NS_METHODS:
+            problems.append(f"optimizer.params.ns_method={method!r}: accepted Newton-Schulz methods are "
+                            f"{', '.join(repr(m) for m in MUON_NS_METHODS)}")
+        momentum = given.get("momentum")
+        if _is_number(momentum) and not 0 <= momentum < 1:
+            problems.append(f"optimizer.params.momentum={momentum}: accepted is a number in [0, 1)")
+        for key in ("muon_lr", "adam_lr"):
+            value = given.get(key)
+            if value is not None and value != "auto" and not (_is_number(value) and value >= 0):
+                problems.append(f"optimizer.params.{key}={value!r}: accepted is a number >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property

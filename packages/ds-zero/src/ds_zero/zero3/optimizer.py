@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ds_zero.collectives import TORCH, Collectives
 from ds_zero.grad_norm import partitioned_norm
 from ds_zero.loss_scaled import LossScaledWrapper
+from ds_zero.muon import ZeroMuon
 from ds_zero.partition import Fragment
 from ds_zero.registry import register
 from ds_zero.stage_1_and_2 import ReduceSettings
@@ -243,6 +244,7 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                 self.swapper.prepare_grad(i, self.groups[i].numel)
             scheduler.on_remove.append(self.close_swap)
         self._swap_index = {id(self.groups[i]): i for i in self.swapped}
+        self._muon = ZeroMuon.for_stage3(self)  # Muon groups: updates from full gradients (ds_zero.muon)
         self.home = {p: (gi, i) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         low = params[0].dtype if params else torch.float32
@@ -372,6 +374,8 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
             if coef != 1.0:
                 grad.mul_(coef)  # the gradient partition is cleared right after the step
             g.master.grad = grad
+        if self._muon is not None:
+            self._muon.apply(grads)
         self._update(self.groups)
         for g in self.groups:
             g.master.grad = None

@@ -106,6 +106,7 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         if optimizer is None and self._config.optimizer is None:
             self._configure_without_optimizer(lr_scheduler)
             return
+        _optimizer.mark_muon_params(self.module, optimizer, self._config.optimizer)  # param.use_muon defaults
         chosen = list(model_parameters) if model_parameters is not None else params
         if self.has_moe_layers and not isinstance(optimizer, torch.optim.Optimizer):
             chosen = _moe.param_groups(chosen)  # as DeepSpeed: expert parameters in their own groups

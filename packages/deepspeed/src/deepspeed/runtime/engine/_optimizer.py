@@ -4,7 +4,8 @@ DeepSpeed's names (case-insensitive): Adam/AdamW -> ds_ops ``FusedAdam`` (torch'
 ``torch_adam``; ``adam_w_mode`` selects decoupled weight decay, always on for AdamW), Lamb -> ``FusedLamb``,
 Lion -> ``FusedLion``, Adagrad -> ``torch.optim.Adagrad``; with ZeRO optimizer offload to the CPU the
 DeepSpeedCPU* variants; OneBitAdam / ZeroOneAdam / OneBitLamb -> ``deepspeed.runtime.fp16.onebit`` (ZeRO stage 0
-only). Any other name is looked up in ``torch.optim``.
+only); Muon -> ``MuonWithAuxAdam`` over the parameters' ``use_muon`` flags (``deepspeed.runtime.muon_groups``);
+MuAdam/MuAdamW/MuSGD -> the optional ``mup`` package's. Any other name is looked up in ``torch.optim``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ds_config import ConfigError, ConfigProblem
 
 # what ZeRO accepts without ``zero_allow_untested_optimizer`` (class names, as DeepSpeed's list)
 ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "DeepSpeedCPUAdagrad",
-                             "Adagrad", "FusedLion", "DeepSpeedCPULion", "Lion")
+                             "Adagrad", "FusedLion", "DeepSpeedCPULion", "Lion", "MuonWithAuxAdam")
 
 
 def _torch_optimizers() -> dict[str, type]:
@@ -87,9 +88,40 @@ def _deepspeed_optimizer(name: str, params: Any, kwargs: dict[str, Any], cpu_off
         from deepspeed.runtime.fp16.onebit.lamb import OnebitLamb
 
         return OnebitLamb(params, **kwargs)
-    raise ConfigError(ConfigProblem("optimizer.type", "is not available in this version of DeepSpeed (MuP/Muon "
-                                    "optimizers come in a later release); accepted: Adam, AdamW, OneBitAdam, "
-                                    "ZeroOneAdam, Lamb, OneBitLamb, Lion, Adagrad or a torch.optim class name", name))
+    if name == "muon":
+        from deepspeed.runtime.muon_groups import muon_optimizer
+
+        return muon_optimizer(params, kwargs)
+    if name in MUP_OPTIMIZERS:
+        return _mup(name, params, kwargs)
+    raise ConfigError(ConfigProblem("optimizer.type", "is not a DeepSpeed optimizer; accepted: Adam, AdamW, "
+                                    "OneBitAdam, ZeroOneAdam, Lamb, OneBitLamb, Lion, Adagrad, Muon, MuAdam, "
+                                    "MuAdamW, MuSGD or a torch.optim class name", name))
+
+
+MUP_OPTIMIZERS = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+
+
+def _mup(name: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The ``mup`` package's muP optimizers (Adam/AdamW/SGD with per-parameter learning rates scaled by each
+    weight's infinite-width shape, which ``mup.set_base_shapes`` attached to the model). ``mup`` is optional:
+    imported here, only when the config names one of them."""
+    cls_name = MUP_OPTIMIZERS[name]
+    try:
+        import mup
+    except ImportError as exc:
+        raise ConfigError(ConfigProblem("optimizer.type", f"{cls_name} comes from the 'mup' package, which is not "
+                                        "installed; install it (pip install mup) or choose another optimizer",
+                                        cls_name)) from exc
+    return getattr(mup, cls_name)(params, **kwargs)
+
+
+def mark_muon_params(module: torch.nn.Module, client: Any, section: Any) -> None:
+    """The config's Muon (no client optimizer): DeepSpeed's default ``use_muon`` flag on unflagged parameters."""
+    if client is None:
+        from deepspeed.runtime.muon_groups import mark_muon_params as mark
+
+        mark(module, section)
 
 
 def optimizer_from_config(section: Any, params: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
