@@ -149,8 +149,9 @@ def test_gradient_allreduce_sum_refused_where_deepspeed_refuses_it(extra, featur
         load_config({**BASE, "gradient_allreduce_op": "sum", **extra})
 
 
-def test_log_level_is_case_insensitive_and_checked():
-    assert load_config({**BASE, "log_level": "WARNING"}).log_level == "warning"
+def test_log_level_is_case_insensitive_checked_and_kept_as_written():
+    assert load_config({**BASE, "log_level": "WARNING"}).log_level == "WARNING"  # engine.log_level() returns it
+    assert load_config({**BASE, "log_level": "info"}).log_level == "info"
     with pytest.raises(ConfigError, match="log_level"):
         load_config({**BASE, "log_level": "loud"})
 

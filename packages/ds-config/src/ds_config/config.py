@@ -74,6 +74,16 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _log_level(value: Any) -> str:
+    # checked case-insensitively but kept as written: DeepSpeed's engine.log_level() returns the config's spelling
+    if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
+        raise ValueError(f"not a log level; accepted (any case): {', '.join(LOG_LEVELS)}")
+    return value
+
+
+LogLevel = Annotated[str, PlainValidator(_log_level, json_schema_input_type=Literal[LOG_LEVELS])]
+
+
 class DeepSpeedConfig(DSConfigModel):
     """The whole DeepSpeed config. Unset sections hold their documented defaults."""
 
@@ -155,8 +165,8 @@ class DeepSpeedConfig(DSConfigModel):
     """Print the engine's state after initialisation."""
     memory_breakdown: Bool = False
     """Report memory use at key points."""
-    log_level: Literal[LOG_LEVELS] | None = None
-    """Level of DeepSpeed's logger set by ``initialize`` (case-insensitive); ``None`` keeps it."""
+    log_level: LogLevel | None = None
+    """Level of DeepSpeed's logger set by ``initialize`` (case-insensitive, kept as written); ``None`` keeps it."""
     vocabulary_size: PosInt | None = None
     """Only checked: a size that is not a multiple of 8 gets DeepSpeed's tensor-core alignment warning."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
@@ -206,11 +216,6 @@ class DeepSpeedConfig(DSConfigModel):
                               "becomes zero_optimization.allgather_bucket_size)", DeprecatedConfigWarning, stacklevel=2)
                 data = {**data, "zero_optimization": {"stage": 1, "allgather_bucket_size": data["allgather_size"]}}
         return data
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _case_insensitive(cls, value: Any) -> Any:
-        return _lower(value)
 
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
@@ -270,6 +275,19 @@ class DeepSpeedConfig(DSConfigModel):
     def precision(self) -> str:
         """Training dtype of the model weights: ``"fp16"``, ``"bf16"`` or ``"fp32"``."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    # DeepSpeed's flat names for the data_types keys (its DeepSpeedConfig attributes; None when not set)
+    @property
+    def grad_accum_dtype(self) -> str | None:
+        return self.data_types.grad_accum_dtype
+
+    @property
+    def param_dtype(self) -> str | None:
+        return self.data_types.param_dtype
+
+    @property
+    def buffer_dtype(self) -> str | None:
+        return self.data_types.buffer_dtype
 
     @property
     def initial_dynamic_scale(self) -> float:

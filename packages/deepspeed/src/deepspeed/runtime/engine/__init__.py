@@ -6,7 +6,7 @@ scaling, clipping and the update; the gradient reducer averages gradients over t
 overlapped with backward through per-parameter gradient hooks. The hooks also serve a direct ``loss.backward()``
 (what ``engine.backward`` does, minus the division by the gradient accumulation steps).
 
-The modules of this folder: ``_setup`` (the constructor's steps, in order), ``_module`` (device, dtype, broadcast),
+The modules of this folder: ``_setup`` (the constructor's steps, in order), ``_module`` (device, broadcast),
 ``_stages`` (the ZeRO stage registry; stage 0), ``_zero`` / ``_zero3`` / ``_zero_states`` (ZeRO 1-2, ZeRO-3 and
 its engine methods, ``offload_states``), ``_precision``, ``_optimizer`` (optimizer and LR schedule), ``_moe`` /
 ``_moe_checkpoint``, ``_compression``, ``_data_efficiency`` (data loader, curriculum, dynamic batching),
@@ -34,6 +34,7 @@ from deepspeed.runtime.engine._accessors import ConfigAccessors
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
+from deepspeed.runtime.engine._precision import MixedPrecisionMethods, is_zero_init_model
 from deepspeed.runtime.engine._timers import (
     BACKWARD,
     BACKWARD_INNER,
@@ -54,8 +55,8 @@ from deepspeed.utils.timer import ThroughputTimer
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, DataMethods, CheckpointNameMethods,
-                      torch.nn.Module):
+class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
+                      CheckpointNameMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -74,9 +75,12 @@ class DeepSpeedEngine(ConfigAccessors, Zero3EngineMethods, ZeroStateMethods, Dat
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._window_start = 0  # micro_steps where the current accumulation windows began (set_train_batch_size)
         _setup.place(self, mpu, dp_group)
-        self.module = _module.prepare_module(model, config, self.device)
+        self._assert_valid_mixed_precision_config()
+        self.module = _module.check_module(model)
+        param_dtype, buffer_dtype = self._mixed_precision_dtypes()  # fp16/bf16 weights; buffers keep their dtype
+        self._cast_module_mixed_precision(param_dtype, buffer_dtype, is_zero_init_model(self.module, config.zero_stage))
+        self.module.to(self.device)  # after the cast: low-precision weights travel at half size
         self.sparse_tensor_module_names = _module.sparse_tensor_names(self.module, config.sparse_gradients)
-        _setup.cast_buffers(self.module, config)
         self.compression_scheduler = build_compression_scheduler(self, config)  # compression_training
         _setup.distribute_module(self, config, mpu)  # MoE groups; ZeRO-3 partitions or a broadcast
         if config.torch_autocast_enabled:

@@ -192,6 +192,10 @@ class ConfigAccessors:
     def dump_state(self) -> bool:
         return self._config.dump_state
 
+    def log_level(self) -> str | None:
+        """The config's ``log_level`` as written (``"ERROR"``), or None: DeepSpeed's logger keeps its level."""
+        return self._config.log_level
+
     def flops_profiler_enabled(self) -> bool:
         return self._config.flops_profiler.enabled
 

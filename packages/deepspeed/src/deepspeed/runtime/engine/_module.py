@@ -1,4 +1,4 @@
-"""The model on its way into the engine: its device and training dtype, and the same weights on every rank."""
+"""The model on its way into the engine: its device, and the same weights on every rank."""
 
 from __future__ import annotations
 
@@ -10,20 +10,9 @@ import torch.distributed as dist
 LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def prepare_module(module: torch.nn.Module, config: Any, device: torch.device) -> torch.nn.Module:
-    """Move ``module`` to ``device`` and cast its floating-point parameters to the training dtype (fp16/bf16).
-
-    Buffers keep the dtype they were loaded with (fp32 BatchNorm statistics, rotary ``inv_freq``), as DeepSpeed
-    0.19.6+ does; ``data_types.buffer_dtype`` casts them (``_setup.cast_buffers``)."""
+def check_module(module: Any) -> torch.nn.Module:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"deepspeed.initialize: model must be a torch.nn.Module, got {type(module).__name__}")
-    module.to(device)
-    low = LOW_DTYPES.get(config.precision)
-    if low is not None:
-        with torch.no_grad():
-            for param in module.parameters():
-                if param.is_floating_point() and param.dtype != low:
-                    param.data = param.data.to(low)
     return module
 
 

@@ -1,5 +1,7 @@
-"""Where precision plugs into the engine: the loss scaler a config asks for, the dtypes of autocast, gradient
-accumulation and gradient communication, and DeepSpeed's class for the stage-0 fp16/bf16 wrapper."""
+"""Where precision plugs into the engine: the dtypes the module is cast to (DeepSpeed's mixed-precision policy:
+parameters follow fp16/bf16, buffers keep their dtype unless ``data_types.buffer_dtype`` names one), the loss
+scaler a config asks for, the dtypes of autocast, gradient accumulation and gradient communication, and DeepSpeed's
+class for the stage-0 fp16/bf16 wrapper."""
 
 from __future__ import annotations
 
@@ -10,7 +12,68 @@ import torch
 
 from deepspeed.runtime.precision.loss_scalers import DynamicLossScaler, build_loss_scaler
 from deepspeed.runtime.precision.optimizers import MixedPrecisionOptimizer
-from ds_config import ConfigError, ConfigProblem, InertConfigKeyWarning
+from ds_config import ConfigError, ConfigProblem, DtypeEnum, InertConfigKeyWarning
+
+
+class PrecisionMismatch(ConfigError, AssertionError):
+    """``data_types.param_dtype`` off the training precision: a ``ConfigError`` naming the key, and the
+    ``AssertionError`` DeepSpeed's engine raises for it."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A config dtype name (``"bf16"``, ``"float16"``, ``"torch.float32"``, ``"half"``...) as a ``torch.dtype``."""
+    return getattr(torch, DtypeEnum.parse(name).torch_name)
+
+
+def is_zero_init_model(module: torch.nn.Module, zero_stage: int) -> bool:
+    """Whether ZeRO-3 trains a model built under ``zero.Init`` (some parameter already partitioned): its
+    partitions take the training dtype when the engine adopts them, not through the module cast."""
+    return zero_stage == 3 and any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _training_dtype(engine: Any) -> torch.dtype | None:
+    # a function, not a method: DeepSpeed's callers pass stand-ins with only the attributes listed below
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.bfloat16 if engine.bfloat16_enabled() else None
+
+
+class MixedPrecisionMethods:
+    """DeepSpeedEngine's mixed-precision policy (FSDP's ``MixedPrecisionPolicy`` in DeepSpeed's words): the
+    parameters in the fp16/bf16 training dtype, the buffers (rotary ``inv_freq``, BatchNorm statistics) in the
+    dtype they were loaded with unless ``data_types.buffer_dtype`` names one. Over ``_config``,
+    ``fp16_enabled()``, ``bfloat16_enabled()`` and ``module``."""
+
+    def _assert_valid_mixed_precision_config(self) -> None:
+        """``data_types.param_dtype``, when given, must be the training dtype: the optimizer wrappers, master
+        weights and gradient reduction all follow fp16/bf16 ``enabled``, not this key."""
+        name = self._config.param_dtype
+        if name is None:
+            return
+        model_dtype = _training_dtype(self) or torch.float32
+        if torch_dtype(name) != model_dtype:
+            raise PrecisionMismatch(ConfigProblem("data_types.param_dtype", f"conflicts with the training dtype "
+                                                  f"{model_dtype} (from fp16/bf16 'enabled'); set the matching "
+                                                  "'enabled' flag or leave param_dtype out", name))
+
+    def _mixed_precision_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """``(param_dtype, buffer_dtype)`` of the module cast: the fp16/bf16 training dtype (None in fp32) and
+        ``data_types.buffer_dtype`` (None: buffers keep their dtype)."""
+        name = self._config.buffer_dtype
+        return _training_dtype(self), (torch_dtype(name) if name is not None else None)
+
+    def _cast_module_mixed_precision(self, param_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None,
+                                     is_zero_init_model: bool) -> None:
+        """Cast the module's floating-point parameters to ``param_dtype`` (not those of a ``zero.Init`` model,
+        whose partitions ZeRO-3 owns) and its floating-point buffers to ``buffer_dtype``; None leaves them."""
+        if param_dtype is not None and not is_zero_init_model:
+            for p in self.module.parameters():
+                if p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)
+        if buffer_dtype is not None:  # buffers are never partitioned, zero.Init or not
+            for b in self.module.buffers():
+                if b.is_floating_point() and b.dtype != buffer_dtype:
+                    b.data = b.data.to(buffer_dtype)
 
 
 def loss_scaler(config: Any) -> Any:

@@ -21,7 +21,7 @@ from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
 from deepspeed.autotuning.probe import attach_probe as attach_autotuning_probe
 from deepspeed.runtime.engine import _data_efficiency, _eigenvalue, _module, _moe, _pld, _reporting
-from deepspeed.utils import log_dist
+from deepspeed.utils import log_dist, set_log_level_from_string
 from ds_config import ConfigError, ConfigProblem
 
 # model -> the training engines whose gradient hooks are on its parameters (weak: keeps neither alive)
@@ -57,31 +57,14 @@ def place(engine: Any, mpu: Any, dp_group: Any) -> None:
 def _apply_logging_and_mesh_keys(engine: Any, config: Any) -> None:
     """``log_level`` sets DeepSpeed's logger (and its handlers); ``data_parallel_size`` must be the data-parallel
     size the groups have (world / sequence_parallel_size without an mpu)."""
-    if config.log_level is not None:
-        from deepspeed.utils import logger
-
-        level = getattr(logging, config.log_level.upper())
-        logger.setLevel(level)
-        for handler in logger.handlers:
-            handler.setLevel(level)
+    if engine.log_level() is not None:
+        set_log_level_from_string(engine.log_level())
     wanted = config.data_parallel_size
     if wanted is not None and wanted != engine.dp_world_size:
         raise ConfigError(ConfigProblem("data_parallel_size", f"the data-parallel group has {engine.dp_world_size} "
                                         f"ranks (world size {engine.world_size}, sequence_parallel_size "
                                         f"{engine.sequence_parallel_size}); set it to "
                                         f"{engine.dp_world_size} or leave it out", wanted))
-
-
-def cast_buffers(module: torch.nn.Module, config: Any) -> None:
-    """``data_types.buffer_dtype``: the module's floating-point buffers in that dtype (after the precision cast)."""
-    name = config.data_types.buffer_dtype
-    if name is None:
-        return
-    dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[name])
-    for buffer_owner in module.modules():
-        for key, buf in buffer_owner._buffers.items():
-            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                buffer_owner._buffers[key] = buf.to(dtype)
 
 
 def distribute_module(engine: Any, config: Any, mpu: Any) -> None:

@@ -84,7 +84,7 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
                     mpu: Any = None) -> Any:
     """Partition every parameter of ``module`` over ``dp_group`` (those built under ``zero.Init`` already are)
     and install the gather/release hooks; returns the ``ParamScheduler``."""
-    from deepspeed.runtime.engine._module import broadcast_module
+    from deepspeed.runtime.engine._module import LOW_DTYPES, broadcast_module
     from ds_zero.swap.from_config import param_swap_settings, swap_params
     from ds_zero.zero3.convert import convert_param
     from ds_zero.zero3.param import PartitionSpace, is_partitioned
@@ -105,11 +105,12 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
     whole = [p for p in module.parameters() if not is_partitioned(p)]
     adopted = [p for p in module.parameters() if is_partitioned(p)]
     _check_same_ranks(adopted, space)
+    low = LOW_DTYPES.get(config.precision)  # the module cast leaves a zero.Init model's parameters to this step
     for p in adopted:
-        _adopt_partitioned(p, space)
+        _adopt_partitioned(p, space, low or p.dtype)
     broadcast_module(module, dp_group, params=whole)
     for p in whole:
-        convert_param(p, space)
+        convert_param(p, space, low)
     swap_params([p for p in module.parameters() if is_partitioned(p)],  # offload_param nvme: ZeRO-Infinity
                 param_swap_settings(zero.offload_param, config.aio))
     if zpp.zero_quantized_nontrainable_weights:  # frozen partitions stored int8 (those on NVMe keep their dtype)
@@ -145,7 +146,7 @@ def _check_same_ranks(adopted: list[torch.nn.Parameter], space: Any) -> None:
                 3))
 
 
-def _adopt_partitioned(param: torch.nn.Parameter, space: Any) -> None:
+def _adopt_partitioned(param: torch.nn.Parameter, space: Any, dtype: torch.dtype) -> None:
     """A parameter built under ``zero.Init``: its partition follows the engine's dtype and offload device."""
     from ds_zero.zero3.param import retarget_partition
 
@@ -154,10 +155,10 @@ def _adopt_partitioned(param: torch.nn.Parameter, space: Any) -> None:
                                         f"partitioned by zero.Init over {param.ds_space.world} ranks, but the engine's "
                                         f"data-parallel group has {space.world}; build the model under zero.Init with "
                                         "the same data_parallel_group (or mpu) as deepspeed.initialize", 3))
-    if param.ds_tensor.dtype != param.dtype or param.ds_tensor.device != space.device:
-        retarget_partition(param, space.device, param.dtype)  # a partition on NVMe stays there
-    if param.data.device != space.compute_device:
-        param.data = torch.empty(0, dtype=param.dtype, device=space.compute_device)
+    if param.ds_tensor.dtype != dtype or param.ds_tensor.device != space.device:
+        retarget_partition(param, space.device, dtype)  # a partition on NVMe stays there
+    if param.data.device != space.compute_device or param.dtype != dtype:
+        param.data = torch.empty(0, dtype=dtype, device=space.compute_device)
     param.ds_space = space
 
 
