@@ -41,7 +41,6 @@ COMPAT_PATHS: dict[str, str] = {
     # the transformer kernel layer (ds-ops, issue 16)
     "deepspeed.ops.transformer": "ds_ops.transformer",
     # ZeRO (ds-zero, issue 7)
-    "deepspeed.runtime.zero.stage_1_and_2": "ds_zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3": "ds_zero.stage3",
     # Muon (ds-ops: the update math and optimizers; ds_zero.muon runs it on full gradients under ZeRO)
     "deepspeed.runtime.zero.muon": "ds_ops.muon",

@@ -141,10 +141,10 @@ def moe_group_comms(optimizer: torch.optim.Optimizer, dp_world_size: int) -> dic
 def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientReducer]:
     """Stage 1 or 2 (``inputs.config.zero_stage``): the partitioned optimizer wrapper and its reducer."""
     from deepspeed.__about__ import __version__
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # with DeepSpeed's reduction API
     from deepspeed.sequence.groups import sequence_factor, zero12_group_comms
     from ds_zero.checkpoint import ZeroCheckpointShards
     from ds_zero.grad_norm import norm_scope
-    from ds_zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     config = inputs.config
     settings = zero_settings(config)
