@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_ops.aio import AsyncIOHandle, _rings
+from ds_ops.aio import AsyncIOHandle, _rings, free_cpu_locked_tensor
 
 backend = fx.backend
 make_handle = fx.make_handle
@@ -285,12 +285,13 @@ def test_locked_tensor_is_page_aligned_and_freed():
         assert t.dtype == torch.bfloat16 and t.numel() == 1000 and t.data_ptr() % fx.PAGE == 0
         like = h.new_cpu_locked_tensor(10, torch.empty(0, dtype=torch.int32))  # DeepSpeed passes an example
         assert like.dtype == torch.int32
-        h.free_cpu_locked_tensor(t)
-        h.free_cpu_locked_tensor(like)
+        assert h.free_cpu_locked_tensor(t) is True
+        assert h.free_cpu_locked_tensor(like) is True
+        # DeepSpeed's handle answers False for a tensor that is not a live locked buffer; the module function raises
+        assert h.free_cpu_locked_tensor(t) is False
+        assert h.free_cpu_locked_tensor(torch.zeros(3)) is False
         with pytest.raises(ValueError, match="not made by new_cpu_locked_tensor"):
-            h.free_cpu_locked_tensor(t)
-        with pytest.raises(ValueError, match="not made by new_cpu_locked_tensor"):
-            h.free_cpu_locked_tensor(torch.zeros(3))
+            free_cpu_locked_tensor(torch.zeros(3))
         with pytest.raises(ValueError, match="storage was released"):
             h.sync_pwrite(t, "/tmp/never-written.bin")
 

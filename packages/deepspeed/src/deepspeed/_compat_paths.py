@@ -67,7 +67,19 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.moe.sharded_moe": "ds_moe.sharded_moe",
     "deepspeed.moe.experts": "ds_moe.experts",
     "deepspeed.moe.utils": "ds_moe.utils",
-    "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep",  # AutoEP
+    # AutoEP (ds_moe.autoep and its grouped-expert pieces)
+    "deepspeed.module_inject.auto_ep": "ds_moe.autoep.detect",
+    "deepspeed.module_inject.auto_ep_config": "ds_moe.autoep.config",
+    "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep.layer",
+    "deepspeed.module_inject.auto_ep_preset_adapters": "ds_moe.autoep.presets",
+    "deepspeed.module_inject.auto_ep_presets.base": "ds_moe.autoep.adapters",
+    "deepspeed.module_inject.auto_ep_presets.registry": "ds_moe.autoep.presets",
+    "deepspeed.moe.ep_count": "ds_moe.ep_count",
+    "deepspeed.moe.ep_experts": "ds_moe.ep_experts",
+    "deepspeed.moe.ep_kernels": "ds_moe.ep_kernels",
+    "deepspeed.moe.ep_repack": "ds_moe.ep_repack",
+    "deepspeed.moe.ep_router": "ds_moe.ep_router",
+    "deepspeed.moe.fused_expert_layout": "ds_moe.fused_expert_layout",
     # AutoTP (ds-inference, issue 16); deepspeed.module_inject (and .layers) are real modules re-exporting these
     "deepspeed.module_inject.auto_tp": "ds_inference.autotp",
     "deepspeed.module_inject.autotp_config": "ds_inference.autotp",
@@ -121,7 +133,6 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.ops.adam.zenflow_torch_adam": "ZenFlow (stall-free offloaded optimizer steps)",
     "deepspeed.runtime.rollout": "the RL rollout interface of the hybrid engine (deepspeed.runtime.rollout)",
     "deepspeed.io": "the fast file writer (deepspeed.io: FastFileWriter on DeepNVMe)",
-    "deepspeed.utils.pin_memory": "DeepNVMe's native pinned-memory allocator (deepspeed.utils.pin_memory)",
     "deepspeed.ops.triton_ops": "the Triton kernels (deepspeed.ops.triton_ops)",
     "deepspeed.ops.sparse_attention.matmul": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                              "sparse_attention.softmax.Softmax)",
@@ -131,8 +142,6 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.checkpoint.autoep_universal": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.module_inject.auto_ep_folding": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.moe.ep_tp_dispatch": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
-    "deepspeed.moe.ep_repack": "AutoEP's grouped-GEMM expert repacking (deepspeed.moe.ep_repack)",
-    "deepspeed.moe.fused_expert_layout": "AutoEP's grouped-GEMM expert repacking (deepspeed.moe.ep_repack)",
     "deepspeed.compile.inductor": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.init_tp": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.fx": "DeepCompile (compiler-driven ZeRO passes)",

@@ -7,12 +7,14 @@ pinning, tensor placement) is implemented once here on top of ``torch.device`` a
 from __future__ import annotations
 
 import abc
+import math
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from deepspeed.utils.pin_memory import get_active_native_pinned_memory
 from deepspeed.utils.pin_memory_tracker import track_pinned_memory
 
 
@@ -191,17 +193,81 @@ class DeepSpeedAccelerator(abc.ABC):
         return self.current_stream(device_index)
 
     # -- tensors ------------------------------------------------------------------------------------------
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Page-locked copy of a host tensor (for fast async host-to-device copies); unchanged without one.
-        Every pinned copy is counted by ``deepspeed.utils.pin_memory_tracker``."""
-        if not torch.cuda.is_available():
-            return tensor
-        pinned = tensor.pin_memory()
-        track_pinned_memory(pinned.nbytes)
-        return pinned
+    # Pinning dispatches between the native backend (``deepspeed.utils.pin_memory``, chosen per call by
+    # DS_PIN_MEMORY_BACKEND=native) and torch's pinning (the ``_torch_*`` primitives a device overrides).
+    # Every byte really page-locked is counted by ``deepspeed.utils.pin_memory_tracker``.
+    _torch_pins_host_memory = True  # False where torch cannot pin (the CPU accelerator): its "pinning" is a no-op
+
+    def _torch_pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    def _torch_empty_pinned(self, template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return template.new_empty(shape, pin_memory=True)
+
+    def _torch_is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def register_host_memory(self, address: int, num_bytes: int) -> bool:
+        """Register page-locked host memory with this device's runtime; whether it did (False: nothing to do)."""
+        return False
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Undo :meth:`register_host_memory` for the range starting at ``address`` (nothing was registered here)."""
+        return None
+
+    def pin_memory_alignment(self) -> int:
+        """Address alignment (bytes) the runtime needs of registered host memory; 1 for none."""
+        return 1
+
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True, *,
+                   align_bytes: int = 1) -> torch.Tensor:
+        """A page-locked host tensor with ``tensor``'s values (``make_copy=False``: a fresh uninitialised one)
+        and shape (``match_shape=False``: flat), for fast asynchronous device copies. ``align_bytes`` (older
+        DeepSpeed's argument) is accepted and unused: pinned buffers start on a page boundary anyway."""
+        pins = get_active_native_pinned_memory()
+        if pins is not None:
+            track_pinned_memory(tensor.nbytes)
+            return pins.pin(tensor, make_copy=make_copy, match_shape=match_shape, registrar=self)
+        if make_copy:
+            pinned = self._torch_pin_memory(tensor)
+            if self._torch_pins_host_memory:
+                track_pinned_memory(pinned.nbytes)
+            return pinned
+        # ``tensor`` only gives shape and dtype: pin a fresh buffer rather than copying it into one
+        return self._pin_fresh(tensor, tuple(tensor.shape) if match_shape else (tensor.numel(),))
+
+    def pin_empty(self, *size: Any, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+        """An uninitialised page-locked host tensor of ``size`` (ints, or one sequence) and ``dtype``."""
+        _require_host(device, "pin_empty")
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        return self._pin_fresh(torch.empty(0, dtype=dtype), tuple(int(d) for d in shape))
+
+    def pin_empty_like(self, tensor: torch.Tensor, device: str | torch.device = "cpu",
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised page-locked host tensor shaped like ``tensor`` (its dtype unless ``dtype``)."""
+        _require_host(device, "pin_empty_like")
+        return self._pin_fresh(torch.empty(0, dtype=dtype or tensor.dtype), tuple(tensor.shape))
+
+    def _pin_fresh(self, template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        pins = get_active_native_pinned_memory()
+        if pins is not None or self._torch_pins_host_memory:
+            track_pinned_memory(math.prod(shape) * template.element_size())
+        if pins is not None:
+            return pins.pin_empty(template, shape, registrar=self)
+        return self._torch_empty_pinned(template, shape)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return torch.cuda.is_available() and tensor.is_pinned()
+        """Whether ``tensor`` is page-locked: natively pinned (views count) or pinned by torch."""
+        pins = get_active_native_pinned_memory()
+        if pins is not None and pins.is_pinned(tensor):
+            return True
+        return self._torch_is_pinned(tensor)
+
+    def unpin_memory(self, tensor: torch.Tensor) -> bool | None:
+        """Free a natively pinned buffer now (True when one was freed); None with torch pinning, whose
+        buffers are freed with their last tensor."""
+        pins = get_active_native_pinned_memory()
+        return pins.unpin(tensor) if pins is not None else None
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives on this device family."""
@@ -273,6 +339,15 @@ class DeepSpeedAccelerator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, backend={self._communication_backend_name!r})"
+
+
+def _require_host(device: str | torch.device, what: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what}: device={device!r} is not a device; pinned buffers live on the host ('cpu')") from exc
+    if kind != "cpu":
+        raise ValueError(f"{what}: device={device!r}; pinned buffers live on the host, device must be 'cpu'")
 
 
 def local_rank_from_env(default: int = 0) -> int:

@@ -135,6 +135,17 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
         available = _meminfo_kib("MemAvailable")
         return self.total_memory() - self.memory_allocated() if available is None else available * 1024
 
+    # -- pinning ------------------------------------------------------------------------------------------
+    # torch cannot page-lock host memory without a device: torch-backend "pinning" hands the tensor back as
+    # it is (and counts nothing). DS_PIN_MEMORY_BACKEND=native really locks it (mlock, deepspeed.utils.pin_memory).
+    _torch_pins_host_memory = False
+
+    def _torch_pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def _torch_empty_pinned(self, template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return template.new_empty(shape)
+
     # -- dtypes -------------------------------------------------------------------------------------------
     def is_bf16_supported(self) -> bool:
         """True, as DeepSpeed's CPU accelerator: torch computes bf16 on every CPU (natively or converted)."""

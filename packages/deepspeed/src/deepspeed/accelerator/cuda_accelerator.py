@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
-from deepspeed.utils.pin_memory_tracker import track_pinned_memory
 
 
 class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
@@ -99,13 +98,14 @@ class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class 
         return torch.cuda.get_device_capability()[0] >= 8
 
     # -- tensors, ranges, environment ---------------------------------------------------------------------
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        pinned = tensor.pin_memory()
-        track_pinned_memory(pinned.nbytes)  # the process's pinned total (deepspeed.utils.pin_memory_tracker)
-        return pinned
+    # pin_memory / is_pinned / unpin_memory: the base class's, over torch's CUDA pinned allocator
+    def register_host_memory(self, address: int, num_bytes: int) -> bool:
+        """``cudaHostRegister`` the range (natively pinned buffers then copy to the GPU asynchronously)."""
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)))
+        return True
 
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_pinned()
+    def unregister_host_memory(self, address: int) -> None:
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(address)))
 
     def range_push(self, msg: str) -> None:
         torch.cuda.nvtx.range_push(msg)

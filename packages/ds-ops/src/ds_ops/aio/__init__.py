@@ -5,7 +5,8 @@ request into ``block_size`` pieces kept in flight up to ``queue_depth`` per I/O 
 buffer, offset and block size are aligned (``new_cpu_locked_tensor`` gives such buffers) and buffered I/O
 otherwise. ``ds_ops.aio.swap`` moves lists of tensors to a directory and back. Buffers for it:
 ``new_cpu_locked_tensor``/``free_cpu_locked_tensor`` (page-aligned and locked, as the handle's methods of those
-names), ``page_aligned_empty`` (page-aligned only).
+names; one process-wide manager, shared with the ``pin_memory`` op's ``pin_handle``), ``is_pinned``,
+``page_aligned_empty`` (page-aligned only).
 
 Why cffi's ABI mode over ``libaio.so.1`` rather than API mode: the calls are few and coarse (one
 ``io_submit``/``io_getevents`` per batch of >=128 KiB pieces, so libffi's per-call cost is noise next to the
@@ -16,8 +17,8 @@ Without libaio (or with ``DS_AIO_BACKEND=threads`` / ``backend="threads"``) the 
 pool doing ``os.preadv``/``os.pwritev``, with a warning when it was not asked for.
 """
 
-from ds_ops.aio import swap
-from ds_ops.aio._builder import AsyncIOBuilder
+from ds_ops.aio import pin_memory, swap
+from ds_ops.aio._builder import AsyncIOBuilder, PinMemoryBuilder
 from ds_ops.aio.async_io import (
     BACKEND_ENV,
     AioError,
@@ -25,6 +26,7 @@ from ds_ops.aio.async_io import (
     aio_handle,
     free_cpu_locked_tensor,
     is_locked_tensor,
+    is_pinned,
     libaio_unavailable_reason,
     new_cpu_locked_tensor,
     page_aligned_empty,
@@ -35,11 +37,14 @@ __all__ = [
     "AioError",
     "AsyncIOBuilder",
     "AsyncIOHandle",
+    "PinMemoryBuilder",
     "aio_handle",
     "free_cpu_locked_tensor",
     "is_locked_tensor",
+    "is_pinned",
     "libaio_unavailable_reason",
     "new_cpu_locked_tensor",
     "page_aligned_empty",
+    "pin_memory",
     "swap",
 ]

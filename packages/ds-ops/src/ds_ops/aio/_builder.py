@@ -1,4 +1,4 @@
-"""``AsyncIOBuilder``: the op-builder face of this module, as DeepSpeed scripts call it.
+"""``AsyncIOBuilder`` and ``PinMemoryBuilder``: the op-builder faces of this module, as DeepSpeed scripts call them.
 
 ``deepspeed.ops.op_builder.AsyncIOBuilder().load()`` returns the op module (``ds_ops.aio.async_io``) whose
 ``aio_handle`` is the handle type. Nothing is compiled: the bindings use cffi's ABI mode (see the package
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from ds_ops.aio import _libaio, async_io
+from ds_ops.aio import _libaio, async_io, pin_memory
 
 
 class AsyncIOBuilder:
@@ -56,5 +56,48 @@ class AsyncIOBuilder:
         if not self.is_compatible():
             raise RuntimeError(f"{self.NAME}: this platform has no os.preadv/os.pwritev")
         return async_io
+
+    jit_load = load
+
+
+class PinMemoryBuilder:
+    """Builder of the ``pin_memory`` op (DeepSpeed's ``PinMemoryBuilder``): page-locked CPU buffers without libaio.
+
+    ``load()`` returns ``ds_ops.aio.pin_memory``, whose ``pin_handle`` shares the locked-buffer manager with
+    ``aio_handle``. Like async_io, nothing is compiled: ``mlock`` is called through cffi's ABI mode.
+    """
+
+    BUILD_VAR = "DS_BUILD_PIN_MEMORY"
+    NAME = "pin_memory"
+
+    def __init__(self) -> None:
+        self.name = self.NAME
+
+    def absolute_name(self) -> str:
+        return "deepspeed.ops.pin_memory.pin_memory_op"
+
+    def compatibility_problems(self) -> list[str]:
+        """What prevents the op from working here: it needs POSIX ``mlock`` (not on Windows)."""
+        return [] if os.name == "posix" else [f"pin_memory needs POSIX mlock; this is {os.name!r}"]
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        problems = self.compatibility_problems()
+        if verbose:
+            print(f"{self.NAME}: " + ("compatible" if not problems else "incompatible (" + "; ".join(problems) + ")"))
+        return not problems
+
+    def is_built(self) -> bool:
+        """Nothing to compile (cffi ABI mode): built wherever it is compatible."""
+        return self.is_compatible()
+
+    def sources(self) -> list[str]:
+        return []
+
+    def load(self, verbose: bool = True) -> ModuleType:
+        """The op module ``ds_ops.aio.pin_memory`` (``pin_handle``)."""
+        problems = self.compatibility_problems()
+        if problems:
+            raise RuntimeError(f"{self.NAME}: " + "; ".join(problems))
+        return pin_memory
 
     jit_load = load

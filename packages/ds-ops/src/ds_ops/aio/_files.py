@@ -7,8 +7,10 @@ async request with a missing directory or a read past the end of the file fails 
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
+import stat
 from dataclasses import dataclass
 
 from ds_ops.aio import _libaio
@@ -71,11 +73,12 @@ def _open_direct(path: str, flags: int) -> int:
         raise
 
 
-def _with_direct(req: Request, target: Target, flags: int) -> Target:
-    span, staged = direct_span(req, target.temp_path or target.path)
+def _with_direct(req: Request, target: Target, flags: int, path: str | None = None) -> Target:
+    path = path or target.temp_path or target.path
+    span, staged = direct_span(req, path)
     if span:
         try:
-            target.direct_fd = _open_direct(target.temp_path or target.path, flags)
+            target.direct_fd = _open_direct(path, flags)
         except OSError as exc:
             discard(target)
             raise _os_error(req, exc, "opening with O_DIRECT failed") from None
@@ -93,16 +96,63 @@ def open_read(req: Request) -> Target:
     except OSError as exc:
         raise _os_error(req, exc, "cannot open the file for reading") from None
     target = Target(path=req.path, fd=fd)
-    size = os.fstat(fd).st_size
-    if req.offset + req.nbytes > size:
+    _check_size(req, target)
+    return _with_direct(req, target, os.O_RDONLY)
+
+
+def _check_size(req: Request, target: Target) -> None:
+    st = os.fstat(target.fd)
+    if stat.S_ISREG(st.st_mode) and req.offset + req.nbytes > st.st_size:
         target.close()
         raise _fail(
             req,
             None,
             f"read past end of file: {req.nbytes} bytes at offset {req.offset} need {req.offset + req.nbytes} "
-            f"bytes but the file holds {size}",
+            f"bytes but the file holds {st.st_size}",
         )
-    return _with_direct(req, target, os.O_RDONLY)
+
+
+def descriptor_name(fd: int) -> str:
+    """What an open descriptor names, for messages: the file it points at, else ``/proc/self/fd/<fd>``."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"/proc/self/fd/{fd}"
+
+
+def open_descriptor(req: Request, fd: int, write: bool, fsync: bool = False) -> Target:
+    """Descriptors of our own onto the file the caller's open ``fd`` points at; the caller's stays theirs.
+
+    The file is reopened through ``/proc/self/fd``: a new open file description, so pieces land at the
+    offsets asked for even when the caller's descriptor has O_APPEND, and O_DIRECT is chosen per request
+    as for a path (aligned pieces direct, the rest buffered) whatever the caller's flags. Where reopening
+    is refused, duplicates of the caller's descriptor are used as they are.
+    """
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        raise _fail(req, exc.errno, f"fd {fd} is not an open file descriptor") from None
+    access = flags & os.O_ACCMODE
+    if access == (os.O_RDONLY if write else os.O_WRONLY):
+        raise _fail(req, errno.EBADF, f"fd {fd} is open {'read' if write else 'write'}-only")
+    if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+        raise _fail(req, errno.ESPIPE, f"fd {fd} is not a regular file or block device")
+    proc = f"/proc/self/fd/{fd}"
+    want = os.O_WRONLY if write else os.O_RDONLY
+    try:
+        target = Target(path=req.path, fd=os.open(proc, want | _O_CLOEXEC), fsync=fsync)
+    except OSError:
+        target = Target(path=req.path, fd=os.dup(fd), fsync=fsync)
+        span, staged = direct_span(req, proc) if flags & _O_DIRECT else (0, False)
+        if span:  # only the caller's direct descriptor: what O_DIRECT refuses fails, as it would for them
+            target.direct_fd, target.direct_end, target.staged = os.dup(fd), span, staged
+        if not write:
+            _check_size(req, target)
+        return target
+    if not write:
+        _check_size(req, target)
+    return _with_direct(req, target, want, proc)
 
 
 def _check_directory(req: Request) -> str:

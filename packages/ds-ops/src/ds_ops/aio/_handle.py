@@ -17,6 +17,7 @@ from ds_ops.aio._worker import Settings, Worker
 
 BACKEND_ENV = "DS_AIO_BACKEND"
 _BACKENDS = ("auto", "libaio", "threads")
+O_DIRECT_ALIGNMENT = 512  # bytes per I/O thread that get_alignment() asks of callers (DeepSpeed's figure)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -172,44 +173,54 @@ class AsyncIOHandle:
             return dict(self._bytes)
 
     # -- I/O --------------------------------------------------------------------------------------------
-    # DeepSpeed's parameter names (buffer, filename, file_offset), so keyword calls written for its handle work
-    def sync_pread(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
-        """Fill ``buffer`` with ``buffer.nbytes`` bytes of ``filename`` from byte ``file_offset``; returns 1."""
-        return self._run(self._submit("sync_pread", buffer, filename, file_offset, write=False))
+    # DeepSpeed's parameter names (buffer, filename, file_offset), so keyword calls written for its handle work.
+    # ``fd=`` (or an int in ``filename``'s place, as DeepSpeed's async_pwrite overload takes it) names an open
+    # descriptor instead of a path: the I/O goes to the file it points at, in place at ``file_offset``, through
+    # descriptors of the handle's own (see ``_files.open_descriptor``); the caller's stays open and theirs.
+    def sync_pread(self, buffer: torch.Tensor, filename: str | os.PathLike | int | None = None,
+                   file_offset: int = 0, *, fd: int | None = None) -> int:
+        """Fill ``buffer`` with ``buffer.nbytes`` bytes of ``filename`` (or open ``fd``) from byte ``file_offset``;
+        returns 1."""
+        return self._run(self._submit("sync_pread", buffer, (filename, fd), file_offset, write=False))
 
     def sync_pwrite(
         self,
         buffer: torch.Tensor,
-        filename: str | os.PathLike,
+        filename: str | os.PathLike | int | None = None,
         file_offset: int = 0,
         *,
+        fd: int | None = None,
         whole_file: bool | None = None,
         fsync: bool = False,
     ) -> int:
-        """Write ``buffer``'s bytes to ``filename`` at ``file_offset``; returns 1 (ops done).
+        """Write ``buffer``'s bytes to ``filename`` (or open ``fd``) at ``file_offset``; returns 1 (ops done).
 
-        ``whole_file`` (default: ``file_offset == 0``) writes a temporary file renamed over ``filename`` once
-        complete, so it afterwards holds exactly the tensor and is never seen half-written; otherwise the bytes
-        are written in place (the file is created if missing). ``fsync`` flushes before the rename.
+        ``whole_file`` (default: ``file_offset == 0`` for a path) writes a temporary file renamed over ``filename``
+        once complete, so it afterwards holds exactly the tensor and is never seen half-written; otherwise the
+        bytes are written in place (the file is created if missing; always so for ``fd``). ``fsync`` flushes
+        before the rename (before the request completes, for ``fd``).
         """
-        return self._run(self._submit("sync_pwrite", buffer, filename, file_offset, True, whole_file, fsync))
+        return self._run(self._submit("sync_pwrite", buffer, (filename, fd), file_offset, True, whole_file, fsync))
 
-    def async_pread(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
+    def async_pread(self, buffer: torch.Tensor, filename: str | os.PathLike | int | None = None,
+                    file_offset: int = 0, *, fd: int | None = None) -> int:
         """Start reading into ``buffer``; returns 0 at once. ``wait()`` completes it. Errors known up front raise."""
-        self._queue(self._submit("async_pread", buffer, filename, file_offset, write=False))
+        self._queue(self._submit("async_pread", buffer, (filename, fd), file_offset, write=False))
         return 0
 
     def async_pwrite(
         self,
         buffer: torch.Tensor,
-        filename: str | os.PathLike,
+        filename: str | os.PathLike | int | None = None,
         file_offset: int = 0,
         *,
+        fd: int | None = None,
         whole_file: bool | None = None,
         fsync: bool = False,
     ) -> int:
-        """Start writing ``buffer`` (see ``sync_pwrite``); returns 0 at once. Do not modify it before ``wait()``."""
-        self._queue(self._submit("async_pwrite", buffer, filename, file_offset, True, whole_file, fsync))
+        """Start writing ``buffer`` (see ``sync_pwrite``); returns 0 at once. Do not modify it before ``wait()``;
+        an ``fd`` must stay open until the call returns (the handle holds its own descriptors afterwards)."""
+        self._queue(self._submit("async_pwrite", buffer, (filename, fd), file_offset, True, whole_file, fsync))
         return 0
 
     def wait(self) -> int:
@@ -256,20 +267,38 @@ class AsyncIOHandle:
         return done
 
     def _validate(self, operation: str, tensor: torch.Tensor, path, offset: int) -> None:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            on_disk = f.read(tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        if isinstance(path, int):  # a caller's descriptor: read it without taking it over (open() would close it)
+            on_disk = os.pread(path, nbytes, offset)
+        else:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                on_disk = f.read(nbytes)
         if on_disk != _memory_bytes(tensor):
             raise AioError(operation, os.fspath(path), None, "validation failed: file bytes differ from the tensor")
 
+    def get_alignment(self) -> int:
+        """Bytes that request sizes and file offsets should be multiples of to go fully direct:
+        ``512 * thread_count``, DeepSpeed's figure (writers such as ``deepspeed.io.FastFileWriter`` size their
+        buffers by it). Other sizes work too: the unaligned part goes through the page cache."""
+        return O_DIRECT_ALIGNMENT * self._thread_count
+
     # -- buffers ------------------------------------------------------------------------------------------
     def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype | torch.Tensor) -> torch.Tensor:
-        """A page-aligned, locked (pinned with CUDA) 1-D tensor: direct I/O uses it without a bounce copy."""
+        """A page-aligned, locked (pinned with CUDA) 1-D tensor: direct I/O uses it without a bounce copy.
+        Process-wide: any handle (and the ``pin_memory`` op's ``pin_handle``) recognises and frees it."""
         return _memory.new_locked(numel, dtype)
 
-    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
-        """Release a tensor from ``new_cpu_locked_tensor`` now."""
-        _memory.free_locked(tensor)
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Release a tensor from ``new_cpu_locked_tensor`` now: True, or False (nothing done) for a tensor that
+        does not start a live locked buffer, as DeepSpeed's handle answers."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"free_cpu_locked_tensor: expected a tensor, got {type(tensor).__name__}")
+        return _memory.release(tensor.data_ptr())
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` needs no bounce copy: torch-pinned, or inside a locked buffer (views count)."""
+        return _memory.is_pinned(buffer)
 
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -291,21 +320,27 @@ class AsyncIOHandle:
         )
 
     # -- internals ----------------------------------------------------------------------------------------
-    def _submit(self, operation, tensor, path, offset, write, whole_file=None, fsync=False) -> Op:
+    def _submit(self, operation, tensor, where, offset, write, whole_file=None, fsync=False) -> Op:
         if not self._finalizer.alive:
             raise RuntimeError(f"aio {operation}: the handle is closed")
-        path = _check_path(operation, path)
+        path, fd = _check_where(operation, *where)
         _check_tensor(operation, path, tensor)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"aio {operation} of {path!r}: offset must be a non-negative int, got {offset!r}")
         if whole_file is None:
-            whole_file = offset == 0
+            whole_file = offset == 0 and fd is None
+        if write and whole_file and fd is not None:
+            raise ValueError(f"aio {operation} of {path!r}: whole_file=True needs a path (a temporary file is renamed "
+                             f"over it), got fd={fd}")
         if write and whole_file and offset != 0:
             raise ValueError(f"aio {operation} of {path!r}: whole_file=True needs offset 0, got {offset}")
         nbytes = tensor.numel() * tensor.element_size()
         req = _files.Request(operation, path, tensor.data_ptr(), nbytes, offset, self._settings.block_size,
                              self._use_direct, self._stage_unaligned)
-        target = _files.open_write(req, whole_file, fsync) if write else _files.open_read(req)
+        if fd is not None:
+            target = _files.open_descriptor(req, fd, write, fsync)
+        else:
+            target = _files.open_write(req, whole_file, fsync) if write else _files.open_read(req)
         op = Op(operation, write, tensor, req.address, nbytes, offset, target)
         self._dispatch(op)
         return op
@@ -346,6 +381,20 @@ def _split(nbytes: int, block_size: int, parts: int) -> list[tuple[int, int]]:
     blocks = -(-nbytes // block_size)
     per = -(-blocks // parts) * block_size
     return [(start, min(start + per, nbytes)) for start in range(0, nbytes, per)]
+
+
+def _check_where(operation: str, filename: object, fd: object) -> tuple[str, int | None]:
+    """(name for messages, descriptor or None) from a call's ``filename`` / ``fd`` (exactly one of them)."""
+    if isinstance(filename, int) and not isinstance(filename, bool):  # DeepSpeed's async_pwrite(buffer, fd, ..)
+        filename, fd = (None, filename) if fd is None else (filename, fd)
+    if (filename is None) == (fd is None):
+        raise TypeError(f"aio {operation}: give exactly one of filename= (a path) and fd= (an open descriptor), "
+                        f"got filename={filename!r}, fd={fd!r}")
+    if fd is None:
+        return _check_path(operation, filename), None
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+        raise ValueError(f"aio {operation}: fd must be a non-negative int (an open file descriptor), got {fd!r}")
+    return _files.descriptor_name(fd), fd
 
 
 def _check_path(operation: str, path: object) -> str:

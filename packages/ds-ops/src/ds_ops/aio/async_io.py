@@ -9,7 +9,7 @@ from ds_ops.aio._errors import AioError
 from ds_ops.aio._handle import BACKEND_ENV, AsyncIOHandle
 from ds_ops.aio._libaio import unavailable_reason as libaio_unavailable_reason
 from ds_ops.aio._memory import free_locked as free_cpu_locked_tensor
-from ds_ops.aio._memory import is_locked_tensor, page_aligned_empty
+from ds_ops.aio._memory import is_locked_tensor, is_pinned, page_aligned_empty
 from ds_ops.aio._memory import new_locked as new_cpu_locked_tensor
 
 aio_handle = AsyncIOHandle
@@ -21,6 +21,7 @@ __all__ = [
     "aio_handle",
     "free_cpu_locked_tensor",
     "is_locked_tensor",
+    "is_pinned",
     "libaio_unavailable_reason",
     "new_cpu_locked_tensor",
     "page_aligned_empty",

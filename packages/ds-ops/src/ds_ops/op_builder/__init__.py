@@ -34,7 +34,7 @@ from ds_ops.op_builder.kernel_builders import NOT_BUILT_BUILDERS, TORCH_BUILDERS
 from ds_ops.op_builder.torch_ops import FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, TorchOpBuilder
 
 # Builder class name -> module that defines it and registers it on import.
-_PLUGINS: dict[str, str] = {"AsyncIOBuilder": "ds_ops.aio"}
+_PLUGINS: dict[str, str] = {"AsyncIOBuilder": "ds_ops.aio", "PinMemoryBuilder": "ds_ops.aio"}
 
 ALL_OPS: dict[str, type] = {}
 

@@ -91,7 +91,6 @@ QuantizerBuilder = _not_built("QuantizerBuilder", "quantizer", "the CUDA int4/in
 FPQuantizerBuilder = _not_built("FPQuantizerBuilder", "fp_quantizer", "the FP8/FP6/FP12 quantizer kernels")
 EvoformerAttnBuilder = _not_built("EvoformerAttnBuilder", "evoformer_attn", "the DS4Science Evoformer attention")
 GDSBuilder = _not_built("GDSBuilder", "gds", "GPUDirect Storage (DeepNVMe's GDS handle)")
-PinMemoryBuilder = _not_built("PinMemoryBuilder", "pin_memory", "DeepNVMe's native pinned-memory allocator")
 UtilsBuilder = _not_built("UtilsBuilder", "utils", "the native tensor utilities (flatten, byte casts)")
 DeepCompileBuilder = _not_built("DeepCompileBuilder", "dc", "DeepCompile (compiler-driven ZeRO passes)")
 SparseAttnBuilder = _not_built("SparseAttnBuilder", "sparse_attn", "the Triton block-sparse kernels "
@@ -100,7 +99,7 @@ SparseAttnBuilder = _not_built("SparseAttnBuilder", "sparse_attn", "the Triton b
 TORCH_BUILDERS = (TransformerBuilder, StochasticTransformerBuilder)
 NOT_BUILT_BUILDERS = (InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder, RaggedOpsBuilder,
                       RaggedUtilsBuilder, SpatialInferenceBuilder, QuantizerBuilder, FPQuantizerBuilder,
-                      EvoformerAttnBuilder, GDSBuilder, PinMemoryBuilder, UtilsBuilder, DeepCompileBuilder,
+                      EvoformerAttnBuilder, GDSBuilder, UtilsBuilder, DeepCompileBuilder,
                       SparseAttnBuilder)
 
 __all__ = ["NOT_BUILT_BUILDERS", "NotBuiltOpBuilder", "TORCH_BUILDERS", *(c.__name__ for c in TORCH_BUILDERS),
