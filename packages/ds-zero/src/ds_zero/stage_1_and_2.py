@@ -202,6 +202,17 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         return [fg.lp_flat for fg in self.groups]
 
     @property
+    def accumulated_grads_in_cpu(self) -> dict[int, torch.Tensor]:
+        """DeepSpeed's name (with CPU offload only) for the per-parameter gradient accumulators held in CPU memory
+        between micro-steps, keyed by the parameter's index over ``bit16_groups``. Gradients accumulate in the
+        gradient partitions; the only per-parameter accumulators are stage 1's fp32 ones (fp32 accumulation of
+        low-precision gradients), alive from a parameter's first backward to ``zero_grad``."""
+        if self.settings.offload_device != "cpu":
+            raise AttributeError("accumulated_grads_in_cpu exists with offload_optimizer.device = cpu only")
+        index = {p: i for i, p in enumerate(p for params in self.bit16_groups for p in params)}
+        return {index[p]: acc for p, acc in self._acc.items() if acc.device.type == "cpu"}
+
+    @property
     def partition_gradients(self) -> bool:
         return self.settings.stage >= 2
 
