@@ -39,7 +39,7 @@ def test_env_selects_cpu(fresh, monkeypatch):
 
 def test_env_rejects_unknown_name(fresh, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "tpu")
-    with pytest.raises(ValueError, match=r"DS_ACCELERATOR='tpu'.*\['cpu', 'cuda'\]"):
+    with pytest.raises(ValueError, match=r"DS_ACCELERATOR='tpu'.*\['cpu', 'cuda', 'xpu', 'npu', 'mps', 'hpu'"):
         get_accelerator()
 
 

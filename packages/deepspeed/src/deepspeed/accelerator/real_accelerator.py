@@ -1,4 +1,5 @@
-"""Choosing the process's accelerator: ``DS_ACCELERATOR`` (``cpu`` | ``cuda``) or auto-detection."""
+"""Choosing the process's accelerator: ``DS_ACCELERATOR`` (one of ``SUPPORTED_ACCELERATOR_LIST``) or
+auto-detection (CUDA when usable, else the host; the other device families are chosen by name)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,21 @@ import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator
+from deepspeed.accelerator.klxpu_accelerator import KLXPU_Accelerator
+from deepspeed.accelerator.mlu_accelerator import MLU_Accelerator
+from deepspeed.accelerator.mps_accelerator import MPS_Accelerator
+from deepspeed.accelerator.npu_accelerator import NPU_Accelerator
+from deepspeed.accelerator.sdaa_accelerator import SDAA_Accelerator
+from deepspeed.accelerator.supa_accelerator import SUPA_Accelerator
+from deepspeed.accelerator.xpu_accelerator import XPU_Accelerator
 
-SUPPORTED_ACCELERATOR_LIST = ["cpu", "cuda"]
-_ACCELERATORS: dict[str, type[DeepSpeedAccelerator]] = {"cpu": CPU_Accelerator, "cuda": CUDA_Accelerator}
+_ACCELERATORS: dict[str, type[DeepSpeedAccelerator]] = {
+    "cpu": CPU_Accelerator, "cuda": CUDA_Accelerator, "xpu": XPU_Accelerator, "npu": NPU_Accelerator,
+    "mps": MPS_Accelerator, "hpu": HPU_Accelerator, "mlu": MLU_Accelerator, "sdaa": SDAA_Accelerator,
+    "supa": SUPA_Accelerator, "klxpu": KLXPU_Accelerator,
+}
+SUPPORTED_ACCELERATOR_LIST = list(_ACCELERATORS)
 _current: DeepSpeedAccelerator | None = None
 
 
@@ -52,7 +65,13 @@ def _from_name(name: str, source: str) -> DeepSpeedAccelerator:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{source}='cuda' but torch reports no usable CUDA device (torch {torch.__version__}, "
                          f"torch.cuda.is_available() is False); use {source}='cpu' to run on the host")
-    return _ACCELERATORS[name]()
+    accelerator = _ACCELERATORS[name]()
+    if name not in ("cpu", "cuda") and not accelerator.is_available():
+        plugin = getattr(accelerator, "_plugin", None)
+        needs = f" (it needs the {plugin!r} package)" if plugin else ""
+        raise ValueError(f"{source}={name!r} but no {name!r} device is usable here{needs}; use {source}='cpu' to run "
+                         "on the host")
+    return accelerator
 
 
 def get_accelerator() -> DeepSpeedAccelerator:
