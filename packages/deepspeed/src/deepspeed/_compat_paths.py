@@ -117,9 +117,6 @@ NOT_BUILT: dict[str, str] = {
                                         "sequence parallelism: deepspeed.sequence.auto_sp)",
     "deepspeed.runtime.hybrid_engine_graph": "CUDA-graph capture of the hybrid engine's token generation "
                                              "(deepspeed.runtime.hybrid_engine_graph)",
-    "deepspeed.runtime.activation_checkpointing.offload_activations": "activation offloading of checkpointed inputs "
-                                                                      "to pinned CPU buffers "
-                                                                      "(CheckpointHiddenStatesOffload)",
     "deepspeed.ops.deepspeed4science": "the EvoformerAttention kernels of DeepSpeed4Science "
                                        "(deepspeed.ops.deepspeed4science)",
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
