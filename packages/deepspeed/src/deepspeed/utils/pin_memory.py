@@ -128,6 +128,8 @@ class NativePinnedMemory:
     def _register_device(self, root: torch.Tensor, registrar: HostRegistrar | None) -> None:
         if registrar is None or root.numel() == 0 or not _register_enabled():
             return
+        if root.is_pinned():  # from the device's own pinned allocator (the op uses it with CUDA): known already
+            return
         begin = root.data_ptr()
         start = _aligned_down(registrar, begin)
         try:
