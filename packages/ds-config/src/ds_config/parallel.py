@@ -113,7 +113,7 @@ class ExpertParallelConfig(DSConfigModel):
     """Model family: mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3."""
     load_balance_coeff: float | None = None
     """Expert-bias (auxiliary-loss-free) load balancing; not supported yet, so only ``null`` is accepted."""
-    # DeepSpeed's overrides of preset detection, routing and kernels: validated, no effect here (see unbuilt)
+    # DeepSpeed's overrides of preset detection, routing and kernels (ds_moe.autoep.config reads them all)
     expert_tensor_parallel_size: PosInt = 1
     validate_folding_routing: Bool = False
     moe_layer_pattern: str | None = None

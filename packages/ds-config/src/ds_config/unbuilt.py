@@ -83,7 +83,7 @@ def _timer_off(v: Any) -> bool:
     return isinstance(v, dict) and isinstance(v.get("throughput"), dict) and v["throughput"].get("enabled") is False
 
 
-_AUTOEP = "AutoEP keeps the Hugging Face block's own router and detects blocks by preset only"
+_AUTOEP = "AutoEP combined with AutoTP (expert-tensor-parallel folding, whose routing this checks) is not built"
 
 INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("hybrid_engine.inference_tp_size", _is(1), "the hybrid engine generates with the module's own layers "
@@ -125,16 +125,8 @@ INERT_KEYS: tuple[InertKey, ...] = (
              "mpu argument"),
     InertKey("tensor_parallel.tp.tp_group", _is(None), "AutoTP training takes its groups from "
              "deepspeed.initialize's mpu argument"),
-    *(InertKey(f"expert_parallel.{key}", _is(*quiet), _AUTOEP) for key, quiet in (
-        ("expert_tensor_parallel_size", (1,)), ("validate_folding_routing", (False,)),
-        ("moe_layer_pattern", (None,)), ("expert_pattern", (None,)), ("router_pattern", (None,)),
-        ("use_grouped_mm", (True,)), ("disable_triton_grouped_mm", (False,)), ("route_norm", (None,)),
-        ("route_scale", (1.0, 1)), ("score_apply", ("auto",)), ("combine_impl", ("auto",)),
-        ("num_expert_groups", (None,)), ("num_limited_groups", (None,)), ("score_func", ("auto",)),
-        ("top_k", ("auto",)), ("routed_scaling_factor", ("auto",)), ("expert_w1", (None,)),
-        ("expert_w2", (None,)), ("expert_w3", ()), ("num_experts_attr", (None,)), ("top_k_attr", (None,)),
-        ("has_shared_experts", (None,)), ("shared_experts_pattern", (None,)),
-        ("shared_experts_gate_pattern", (None,)))),
+    # the other expert_parallel keys act (ds_moe.autoep); disable_triton_grouped_mm asks for what runs anyway
+    InertKey("expert_parallel.validate_folding_routing", _is(False), _AUTOEP),
 )
 
 
