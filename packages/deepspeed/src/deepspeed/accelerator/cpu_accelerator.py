@@ -146,6 +146,10 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
     def _torch_empty_pinned(self, template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return template.new_empty(shape)
 
+    def _torch_is_pinned(self, tensor: torch.Tensor) -> bool:
+        # a CUDA build of torch on a GPU-less host would try to reach the driver to answer
+        return torch.cuda.is_available() and tensor.is_pinned()
+
     # -- dtypes -------------------------------------------------------------------------------------------
     def is_bf16_supported(self) -> bool:
         """True, as DeepSpeed's CPU accelerator: torch computes bf16 on every CPU (natively or converted)."""

@@ -143,7 +143,14 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     torch (CUDA host allocator) or inside a buffer of this manager."""
     if _address(tensor) is None:
         return False
-    return tensor.is_pinned() or is_managed(tensor)
+    return is_managed(tensor) or _torch_pinned(tensor)
+
+
+def _torch_pinned(tensor: torch.Tensor) -> bool:
+    try:
+        return tensor.is_pinned()
+    except RuntimeError:  # a device build of torch on a host without its driver cannot tell: nothing is pinned
+        return False
 
 
 def is_locked_tensor(tensor: torch.Tensor) -> bool:
