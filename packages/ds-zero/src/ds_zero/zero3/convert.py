@@ -43,7 +43,7 @@ def convert_param(param: torch.nn.Parameter, space: PartitionSpace, dtype: torch
     param.ds_shape = full.shape
     param.ds_space = space
     param.ds_persist = False
-    param.ds_external = False
+    param.is_external_param = False  # DeepSpeed's flag: gathered with a module other than its owner
     param.ds_pending = None  # the PendingGather bringing it while INFLIGHT
     param.ds_active_sub_modules = set()
     param.ds_process_group = space.group

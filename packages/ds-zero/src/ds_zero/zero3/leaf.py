@@ -3,10 +3,16 @@ submodule (MoE blocks whose experts run in a data-dependent order, or many tiny 
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from ds_zero.zero3.param import is_partitioned
+
+logger = logging.getLogger("DeepSpeed")
 
 _ATTR = "_z3_leaf"
 
@@ -113,3 +119,68 @@ def leaf_rule(classes: Iterable[str] = (), names: Iterable[str] = (), name_suffi
             return True
         return bool(name) and (name in exact or name.endswith(suffixes))
     return is_leaf
+
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList,
+               torch.nn.ParameterDict)
+_MAX_LEAF_NUMEL = 10 ** 9  # a bigger subtree gathered whole would cost more memory than its hooks save
+
+
+def _numel(params: Iterable[torch.nn.Parameter]) -> int:
+    return sum(p.ds_numel if is_partitioned(p) else p.numel() for p in params)
+
+
+def _granularity(module: torch.nn.Module, found: list[int]) -> tuple[int, int]:
+    """``(layers, elements)`` of ``module``'s subtree, DeepSpeed's way: every parameterless module counts for
+    nothing, a childless one with parameters is one layer, any other one adds itself as a layer unless it is a
+    plain container (``Sequential``, ``ModuleList``, ...: its children's hooks must stay). Sets
+    ``module.ds_model_granularity`` (elements per layer; ``sys.maxsize``: never a leaf) and appends it to
+    ``found`` when it is a candidate."""
+    if next(module.parameters(), None) is None:
+        module.ds_model_granularity = sys.maxsize
+        return 0, 0
+    numel = _numel(module.parameters(recurse=False))
+    children = list(module.children())
+    if not children:
+        module.ds_model_granularity = sys.maxsize
+        return 1, numel
+    layers = 0
+    for child in children:
+        child_layers, child_numel = _granularity(child, found)
+        layers += child_layers
+        numel += child_numel
+    if type(module) in _CONTAINERS:
+        module.ds_model_granularity = sys.maxsize
+        return layers, numel
+    layers += 1
+    module.ds_model_granularity = numel // layers if numel <= _MAX_LEAF_NUMEL else sys.maxsize
+    found.append(module.ds_model_granularity)
+    return layers, numel
+
+
+def _mark_granularity_leaves(module: torch.nn.Module, threshold: int) -> None:
+    """Outermost first: a module of at most ``threshold`` elements per layer becomes a leaf (its subtree is
+    gathered at once) and its descendants are not looked at."""
+    if next(module.parameters(), None) is None:
+        return
+    if module.ds_model_granularity <= threshold:
+        module.__dict__[_ATTR] = True
+        return
+    for child in module.children():
+        _mark_granularity_leaves(child, threshold)
+
+
+def apply_granularity_threshold(root: torch.nn.Module, threshold: int) -> None:
+    """``stage3_module_granularity_threshold``: mark as ZeRO-3 leaves (``z3_leaf_module`` is true for them
+    afterwards, the model itself included) the modules fine enough that one gather for the subtree beats a hook
+    per submodule; warns with the smallest granularity when the threshold is too small to mark any."""
+    if threshold <= 0:
+        return
+    found: list[int] = []
+    _granularity(root, found)
+    if found and min(found) <= threshold:
+        _mark_granularity_leaves(root, threshold)
+    else:
+        smallest = min(found) if found else None
+        logger.warning(f"stage3_module_granularity_threshold={threshold} marks no module as a ZeRO-3 leaf: the "
+                       f"finest module has {smallest} elements per layer; set the threshold at least that high")

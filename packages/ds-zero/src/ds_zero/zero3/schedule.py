@@ -30,7 +30,8 @@ import torch
 from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
 from ds_zero.zero3._prefetch import TraceCache, TraceSettings
 from ds_zero.zero3.gather_pool import clear as clear_full_pool
-from ds_zero.zero3.linear import use_memory_efficient_linear
+from ds_zero.zero3.leaf import apply_granularity_threshold
+from ds_zero.zero3.linear import install_functional_linear, remove_functional_linear, use_memory_efficient_linear
 from ds_zero.zero3.param import ZeroParamStatus, is_partitioned, prefetch_partitions, release_one
 
 logger = logging.getLogger("DeepSpeed")
@@ -73,7 +74,7 @@ class GatherUnit:
         """Gather ``param`` with this unit from now on (a no-op when it already is)."""
         if all(param is not q for q in self.all_params()):
             self.external.append(param)
-            param.ds_external = True
+            param.is_external_param = True
             GatherUnit.revision += 1
 
     def remove_external(self, param: torch.nn.Parameter) -> None:
@@ -88,30 +89,15 @@ def is_z3_leaf(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "_z3_leaf", False))
 
 
-def _granularity_leaves(root: torch.nn.Module, threshold: int) -> set[int]:
-    """Modules whose parameters per descendant fall under ``threshold``: gathered as one unit."""
-    if threshold <= 0:
-        return set()
-    found = set()
-    for module in root.modules():
-        descendants = sum(1 for _ in module.modules()) - 1
-        if descendants == 0:
-            continue
-        numel = sum(p.ds_numel if is_partitioned(p) else p.numel() for p in module.parameters())
-        if numel / (1 + descendants) < threshold:
-            found.add(id(module))
-    return found
-
-
 def build_units(root: torch.nn.Module, is_leaf: Callable[[str, torch.nn.Module], bool],
                 granularity_threshold: int = 0) -> list[GatherUnit]:
-    fine = _granularity_leaves(root, granularity_threshold)
+    apply_granularity_threshold(root, granularity_threshold)
     units = []
 
     def walk(module: torch.nn.Module, name: str) -> None:
-        if module is not root and (is_leaf(name, module) or id(module) in fine):
+        if is_leaf(name, module):  # the model itself too (a tiny model under the granularity threshold)
             params = list(dict.fromkeys(module.parameters()))
-            if params:
+            if params or module is root:
                 units.append(GatherUnit(module, name, params))
             return
         params = list(module.parameters(recurse=False))
@@ -233,7 +219,9 @@ class ParamScheduler:
         self._name_params()
         self._mark_persistent()
         self._install()
+        self._owns_linear = settings.memory_efficient_linear
         if settings.memory_efficient_linear:
+            install_functional_linear()
             use_memory_efficient_linear(root)
 
     # ---- setup ---------------------------------------------------------------------------------------------
@@ -340,6 +328,9 @@ class ParamScheduler:
             callback()
         self.on_remove = []
         clear_full_pool()
+        if self._owns_linear:
+            self._owns_linear = False
+            remove_functional_linear()
         for module in self.root.modules():
             if isinstance(module._parameters, _ZeroParamDict):
                 module._parameters.scheduler_ref = None

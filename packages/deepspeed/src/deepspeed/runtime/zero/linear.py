@@ -9,21 +9,12 @@ import functools
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from ds_zero.zero3.linear import _Zero3Linear
+from ds_zero.zero3.linear import LinearFunctionForZeroStage3, zero3_linear_wrap
 
 # torch.amp's custom-function decorators bound to this accelerator's device type: an autograd function decorated
 # with them runs its backward under the autocast state its forward saw (DeepSpeed's names)
 autocast_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type=get_accelerator().device_name())
 autocast_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type=get_accelerator().device_name())
-
-LinearFunctionForZeroStage3 = _Zero3Linear
-
-
-def zero3_linear_wrap(input: torch.Tensor, weight: torch.nn.Parameter,  # noqa: A002 - DeepSpeed's name
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(input, weight, bias)`` through ``LinearFunctionForZeroStage3``."""
-    return LinearFunctionForZeroStage3.apply(input, weight, bias)
-
 
 class LinearModuleForZeroStage3(torch.nn.Linear):
     """``nn.Linear`` whose forward goes through ``zero3_linear_wrap``."""
