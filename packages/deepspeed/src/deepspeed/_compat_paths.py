@@ -128,7 +128,6 @@ NOT_BUILT: dict[str, str] = {
                                      "Ulysses attention)",
     "deepspeed.runtime.zenflow": "ZenFlow (stall-free offloaded optimizer steps)",
     "deepspeed.ops.adam.zenflow_torch_adam": "ZenFlow (stall-free offloaded optimizer steps)",
-    "deepspeed.runtime.rollout": "the RL rollout interface of the hybrid engine (deepspeed.runtime.rollout)",
     "deepspeed.ops.triton_ops": "the Triton kernels (deepspeed.ops.triton_ops)",
     "deepspeed.ops.sparse_attention.matmul": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                              "sparse_attention.softmax.Softmax)",

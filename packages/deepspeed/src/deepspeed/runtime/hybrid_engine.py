@@ -13,7 +13,9 @@ the keys that would change what DeepSpeed does).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,8 +49,18 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         return out
 
     def _generate_gathered(self, *inputs: Any, **kwargs: Any) -> Any:
+        with self.gathered_for_generation():
+            return self._generate(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self) -> Iterator[None]:
+        """The module's weights whole for the block: under ZeRO-3 every weight gathered once and held, the
+        per-module hooks off meanwhile (they would release them); a no-op otherwise. Decoding loops that call
+        the module directly (``runtime.rollout``) run inside it."""
+        if self.zero3_scheduler is None:
+            yield
+            return
         from deepspeed.runtime.zero import GatheredParameters
 
-        # every weight gathered once and held; the per-module hooks off meanwhile (they would release them)
         with self.zero3_scheduler.hooks_removed(), GatheredParameters(list(self.module.parameters())):
-            return self._generate(*inputs, **kwargs)
+            yield
