@@ -29,7 +29,7 @@ def as_autoep_config(config: Any) -> AutoEPConfig:
     if isinstance(config, AutoEPConfig):
         return config
     if hasattr(config, "model_dump"):
-        given = config.model_dump(exclude_unset=True)
+        given = config.model_dump(exclude_unset=True, warnings=False)  # values set past validation reach ours
         given.setdefault("enabled", config.enabled)
         given.setdefault("autoep_size", config.autoep_size)
         config = given
