@@ -109,7 +109,7 @@ def test_zenflow_section():
     cfg = zero({"stage": 2, "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "select_interval": "auto"}})
     assert isinstance(cfg.zenflow, ZenFlowConfig)
     assert cfg.zenflow.topk_ratio == 0.05 and cfg.zenflow.update_interval == 4 and cfg.zenflow.select_interval == "auto"
-    assert error({"zenflow": {"select_strategy": "epoch"}}).paths == [f"{P}.zenflow"]
+    assert error({"zenflow": {"select_strategy": "epoch"}}).paths == [f"{P}.zenflow.select_interval"]
     assert error({"zenflow": {"topk_ratio": 2}}).paths == [f"{P}.zenflow.topk_ratio"]
 
 

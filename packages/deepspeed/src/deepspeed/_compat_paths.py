@@ -28,6 +28,11 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.ops.adam": "ds_ops.adam",
     "deepspeed.ops.adam.cpu_adam": "ds_ops.adam.cpu_adam",
     "deepspeed.ops.adam.fused_adam": "ds_ops.adam.fused_adam",
+    # ZenFlow (issue 26): the selective AdamW (ds-ops), the config section (ds-config), the core split (ds-zero)
+    "deepspeed.ops.adam.zenflow_torch_adam": "ds_ops.adam.zenflow_adam",
+    "deepspeed.runtime.zenflow": "ds_zero.zenflow",
+    "deepspeed.runtime.zenflow.zenflow_config": "ds_config.zero",
+    "deepspeed.runtime.zenflow.zenflow_utils": "ds_zero.zenflow.cores",
     "deepspeed.ops.adagrad": "ds_ops.adagrad",
     "deepspeed.ops.adagrad.cpu_adagrad": "ds_ops.adagrad.cpu_adagrad",
     "deepspeed.ops.lion": "ds_ops.lion",
@@ -126,8 +131,6 @@ NOT_BUILT: dict[str, str] = {
                                                       "UlyssesSPDataLoaderAdapter, TiledMLP, TiledFusedLogitsLoss)",
     "deepspeed.sequence.fpdt_layer": "FPDT, the fully pipelined distributed transformer (chunked, offloaded "
                                      "Ulysses attention)",
-    "deepspeed.runtime.zenflow": "ZenFlow (stall-free offloaded optimizer steps)",
-    "deepspeed.ops.adam.zenflow_torch_adam": "ZenFlow (stall-free offloaded optimizer steps)",
     "deepspeed.ops.triton_ops": "the Triton kernels (deepspeed.ops.triton_ops)",
     "deepspeed.ops.sparse_attention.matmul": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                              "sparse_attention.softmax.Softmax)",

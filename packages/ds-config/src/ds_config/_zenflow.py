@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, model_validator
 
+from ds_config._errors import ConfigError, ConfigProblem
 from ds_config._typed_section import Bool, Fraction, NonNegInt, PosInt, SectionModel
 
 
@@ -42,15 +43,24 @@ class ZenFlowConfig(SectionModel):
     full_warm_up_rounds: NonNegInt = 0
     """Initial steps that update every column on the accelerator before selective updates start."""
 
-    steps_per_epoch: PosInt | None = Field(None, validate_default=True)
-    """Optimizer steps per epoch; required with ``select_strategy='epoch'``."""
-
     pt_reserved_cores_perc: Fraction = 0.5
     """Fraction of CPU cores left to PyTorch; the rest run the CPU optimizer."""
 
-    @field_validator("steps_per_epoch")
-    @classmethod
-    def _epoch_needs_length(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if info.data.get("select_strategy") == "epoch" and value is None:
-            raise ValueError("required when select_strategy is 'epoch' (ZenFlow counts epochs in steps)")
-        return value
+    steps_per_epoch: PosInt | None = Field(None, exclude=True)
+    """Optimizer steps per epoch, filled in by the engine from the training dataloader for
+    ``select_strategy='epoch'``; not a user setting, so it is left out of dumps."""
+
+    @model_validator(mode="after")
+    def _step_strategy_needs_interval(self) -> ZenFlowConfig:
+        # 'step' and 'epoch' count select_interval in their own unit; only 'auto' picks it. With steps the
+        # two intervals are comparable here: re-selecting more often than updating would discard selections.
+        if self.select_strategy != "auto" and self.select_interval == "auto":
+            raise ConfigError(ConfigProblem(
+                "select_interval", f"must be an integer >= 1 with select_strategy '{self.select_strategy}' ('auto' "
+                "goes with select_strategy 'auto')", self.select_interval))
+        if (self.select_strategy == "step" and isinstance(self.update_interval, int)
+                and self.select_interval < self.update_interval):
+            raise ConfigError(ConfigProblem(
+                "select_interval", f"must be >= update_interval ({self.update_interval}) with select_strategy "
+                "'step'", self.select_interval))
+        return self

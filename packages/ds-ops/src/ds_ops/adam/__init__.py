@@ -1,6 +1,7 @@
-"""Adam optimizers (``deepspeed.ops.adam``): native CPU Adam and torch-fused FusedAdam."""
+"""Adam optimizers (``deepspeed.ops.adam``): native CPU Adam, torch-fused FusedAdam and ZenFlow's selective AdamW."""
 
 from ds_ops.adam.cpu_adam import DeepSpeedCPUAdam
 from ds_ops.adam.fused_adam import FusedAdam
+from ds_ops.adam.zenflow_adam import ZenFlowSelectiveAdamW, ZenFlowSelectiveAdamW_stage3
 
-__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"]
