@@ -290,3 +290,42 @@ def test_hf_layers_are_marked_and_match_bitwise(cpu_as_device) -> None:
         _assert_bitwise(step(offload), want)
         assert transformers.GradientCheckpointingLayer.__call__ is original
         assert (offload.stats.marked_tensors, offload.stats.offloaded_tensors) == (3, 2)
+
+
+@pytest.mark.parametrize("streams", [False, True])
+def test_cpu_checkpointing_through_the_offload_engine_is_bitwise(cpu_as_device, monkeypatch, streams: bool) -> None:
+    """deepspeed.checkpointing with checkpoint_in_cpu: on a device with copy streams the inputs go through the
+    shared offload engine (async copies); gradients equal those of plain checkpointing, step after step."""
+    import deepspeed.checkpointing as ckpt
+    from deepspeed.runtime.activation_checkpointing import checkpointing as impl
+
+    for name in ("deepspeed_checkpointing_enabled", "CPU_CHECKPOINT", "PARTITION_ACTIVATIONS",
+                 "CONTIGUOUS_CHECKPOINTING", "SYNCHRONIZE", "PROFILE_TIME", "num_layers"):
+        monkeypatch.setattr(impl, name, getattr(impl, name))  # configure() below: put back after the test
+    layers, x = _layers(), torch.randn(8, 16)
+
+    def step() -> list[torch.Tensor]:
+        layers.zero_grad(set_to_none=True)
+        h = x.detach().requires_grad_(True)
+        inp = h
+        for layer in layers:
+            h = ckpt.checkpoint(layer, h)
+        h.square().sum().backward()
+        return [inp.grad] + [p.grad for p in layers.parameters()]
+
+    ckpt.configure(None, checkpoint_in_cpu=False)
+    want = step()
+    for seed in range(3):
+        accel = cpu_as_device(streams=streams, seed=seed)
+        monkeypatch.setattr(impl, "get_accelerator", lambda accel=accel: accel)
+        monkeypatch.setattr(impl, "_offload_engine", None)
+        ckpt.configure(None, checkpoint_in_cpu=True)
+        for _ in range(2):
+            _assert_bitwise(step(), want)
+            engine = impl._offload_engine
+            assert engine is not None and engine.use_streams is streams
+            # four layer inputs: the newest stays on the device, three went through host buffers and came back
+            assert engine.stats.offloaded_tensors == engine.stats.restored_tensors == 3
+            assert engine.stats.kept_last_tensors == 1
+            assert not (engine._tracker or engine._keep_last)
+            ckpt.reset()  # zeroes the engine's stats

@@ -8,7 +8,8 @@ drop what the region saves and recompute it on first use. What this module adds,
   back for the recompute, so dropout draws the same mask and recomputation is bitwise the forward;
 - the region's *inputs*, the one thing it keeps, can be partitioned across the model-parallel (tensor) group
   (``partition_activations``: each rank keeps 1/n, all-gathered for the recompute), moved to host memory
-  (``checkpoint_in_cpu``) and copied into preallocated per-layer buffers (``contiguous_checkpointing``);
+  (``checkpoint_in_cpu``; unpartitioned inputs asynchronously, on a side copy stream, where the device has
+  streams: ``offload_activations``) and copied into preallocated per-layer buffers (``contiguous_checkpointing``);
 - an accelerator synchronize at the boundaries (``synchronize``) and forward/recompute timings (``profile``).
 
 The inputs are held by the region (not captured by torch's closure), so the originals can be dropped after the
@@ -29,6 +30,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing.config import activation_checkpointing_section
+from deepspeed.runtime.activation_checkpointing.offload_activations import _ActivationOffloadEngine
 from deepspeed.utils import logger
 from deepspeed.utils.groups import (
     bwc_tensor_model_parallel_group,
@@ -58,6 +60,9 @@ contiguous_data_buffers: list[torch.Tensor | None] = []
 data_offsets: list[int] = []
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+
+# cpu_checkpointing on a device with copy streams: inputs go to host memory asynchronously (offload_activations)
+_offload_engine: _ActivationOffloadEngine | None = None
 
 
 def _rank() -> int:
@@ -186,12 +191,31 @@ def _contiguous_slot(index: int, partition: torch.Tensor) -> torch.Tensor:
     return buffer.narrow(0, slot * numel, numel).copy_(partition)
 
 
+def _async_offload_engine() -> _ActivationOffloadEngine | None:
+    """The shared engine for whole (unpartitioned) host-checkpointed inputs on devices with copy streams; None
+    where copies are blocking anyway (the CPU) or the input is a partition (copied into its own buffers)."""
+    global _offload_engine
+    if not CPU_CHECKPOINT or PARTITION_ACTIVATIONS or get_accelerator().is_synchronized_device():
+        return None
+    if _offload_engine is None:
+        _offload_engine = _ActivationOffloadEngine(keep_last_count=1, min_offload_bytes=0)
+    return _offload_engine
+
+
 class _Kept:
-    """One input activation as kept between forward and recompute: this rank's partition and/or a host copy."""
+    """One input activation as kept between forward and recompute: this rank's partition and/or a host copy
+    (``token``: the copy is the async offload engine's)."""
 
     def __init__(self, tensor: torch.Tensor, index: int) -> None:
         self.shape, self.device, self.requires_grad = tensor.shape, tensor.device, tensor.requires_grad
         self.numel, self.partitioned = tensor.numel(), PARTITION_ACTIVATIONS and mp_size > 1
+        self.token = None
+        engine = _async_offload_engine()
+        if engine is not None:
+            self.token = engine.offload_input(tensor.detach())
+            if self.token is not None:
+                self.data = None
+                return
         data = tensor.detach()
         if PARTITION_ACTIVATIONS:
             chunk = -(-self.numel // mp_size)
@@ -206,6 +230,8 @@ class _Kept:
         self.data = data
 
     def restore(self) -> torch.Tensor:
+        if self.token is not None:  # consumed once; kept on the device for a second backward (retain_graph)
+            self.data, self.token = _offload_engine.restore_input(self.token), None
         data = self.data.to(self.device)
         if self.partitioned:
             full = torch.empty(data.numel() * mp_size, dtype=data.dtype, device=data.device)
@@ -331,9 +357,11 @@ def set_num_layers(nlayers: int) -> None:
 
 
 def reset() -> None:
-    """Drop the contiguous buffers (call after forwards that had no backward, e.g. eval)."""
+    """Drop the contiguous buffers and the host copies (call after forwards that had no backward, e.g. eval)."""
     contiguous_data_buffers.clear()
     data_offsets.clear()
+    if _offload_engine is not None:
+        _offload_engine.reset()
 
 
 def _configure_defaults() -> None:
