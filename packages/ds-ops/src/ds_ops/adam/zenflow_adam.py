@@ -21,6 +21,7 @@ and ``temp_selected_param`` are None.
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -36,7 +37,7 @@ def _has_selection(param: torch.Tensor) -> bool:
     return getattr(param, "selected_grad", None) is not None
 
 
-class _SelectiveAdamW(torch.optim.AdamW):
+class _SelectiveAdamW(torch.optim.AdamW, metaclass=abc.ABCMeta):
     """The update, the moments and the buckets; subclasses say where a parameter's selected slice lives."""
 
     def __init__(self, *args, offload: bool = False, bucket_size: float = 5e8, **kwargs) -> None:
@@ -50,9 +51,9 @@ class _SelectiveAdamW(torch.optim.AdamW):
 
     # -- where the slice lives (subclasses) ---------------------------------------------------------------
 
+    @abc.abstractmethod
     def _base(self, param: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """The tensor holding ``param``'s values and the axis ``selected_indices`` index (None: whole)."""
-        raise NotImplementedError  # abstract: both public classes define it
 
     def _acquire(self, param: torch.Tensor) -> bool:
         """Make the storage resident; True when the caller must ``_release`` it afterwards."""
