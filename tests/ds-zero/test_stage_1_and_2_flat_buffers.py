@@ -115,3 +115,13 @@ def test_flatten_without_room_matches_flatten_on_device():
         direct, on_device_b = flat_of(False, mp)
     assert (on_device_a, on_device_b) == (False, True)
     assert torch.equal(staged, direct)
+
+
+def test_cpu_free_memory_is_known_and_plausible():
+    from ds_zero._flat_group import free_memory_bytes
+
+    free = free_memory_bytes(torch.device("cpu"))
+    assert isinstance(free, int) and 0 < free
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert free <= total

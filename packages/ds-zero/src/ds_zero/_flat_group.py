@@ -42,14 +42,27 @@ class GroupComm:
     grad_divisor: float | None = None
 
 
+def _cpu_available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``: free pages plus the page
+    cache it can reclaim), else the free pages alone."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def free_memory_bytes(device: torch.device) -> int | None:
     """Bytes free for new tensors on ``device`` (for the CPU: the physical memory not in use), or None when the
     device cannot say."""
     if device.type == "cpu":
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
+        return _cpu_available_bytes()
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     accel = getattr(torch, "accelerator", None)
