@@ -201,6 +201,17 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         views of it; padded to ``2 * world_size`` elements, detached from autograd)."""
         return [fg.lp_flat for fg in self.groups]
 
+    def get_param_id(self, param: torch.nn.Parameter) -> int:
+        """DeepSpeed's id of a parameter: its index over ``bit16_groups`` (group by group, in flat order)."""
+        g, i = self.home[param]
+        return sum(len(fg.params) for fg in self.groups[:g]) + i
+
+    @property
+    def param_to_partition_ids(self) -> list[dict[int, list[int]]]:
+        """DeepSpeed's map, per group: parameter id -> the ranks whose partitions hold a piece of it."""
+        return [{self.get_param_id(p): [rank for rank, _ in fg.layout.owners(i)] for i, p in enumerate(fg.params)}
+                for fg in self.groups]
+
     @property
     def accumulated_grads_in_cpu(self) -> dict[int, torch.Tensor]:
         """DeepSpeed's name (with CPU offload only) for the per-parameter gradient accumulators held in CPU memory

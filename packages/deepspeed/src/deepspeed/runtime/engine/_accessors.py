@@ -103,6 +103,9 @@ class ConfigAccessors:
     def zero_quantized_gradients(self) -> bool:
         return self._config.zero_optimization.zero_quantized_gradients
 
+    def zero_save_muon_momentum_buffer_in_memory(self) -> bool:  # Muon with ZeRO-3 NVMe offload
+        return self._config.zero_optimization.save_muon_momentum_buffer_in_memory
+
     # ---- precision ----
     def fp16_enabled(self) -> bool:
         return self._config.fp16_enabled
