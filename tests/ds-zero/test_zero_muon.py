@@ -113,3 +113,40 @@ def test_zero_muon_matches_single_process_muon(trained, index):
             assert not torch.equal(value, start[name]), f"{name} did not move"
             torch.testing.assert_close(value, expected[name], rtol=2e-5, atol=2e-5, msg=f"{name}, ZeRO-{stage}")
     torch.testing.assert_close(trained[0][index], trained[1][index], rtol=0, atol=0)  # ranks agree bitwise
+
+
+def _resume(stage: int, ckpt: str, phase: str) -> dict[str, torch.Tensor]:
+    """``save``: 2 steps then a checkpoint, then the third step; ``load``: the checkpoint, then the third step."""
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = WORLD * MICRO // world  # the same global batch on any world size
+    cfg = {**config(stage, "gram", 0.0, False), "train_micro_batch_size_per_gpu": micro}
+    engine, *_ = deepspeed.initialize(model=make_net(), config=cfg)
+    batches = data()
+    if phase == "load":
+        engine.load_checkpoint(ckpt, tag="t")
+        batches = batches[2:]
+    for step, (ids, x, y) in enumerate(batches):
+        part = slice(rank * micro, (rank + 1) * micro)
+        engine.backward(loss_fn(engine(ids[part], x[part]), y[part]))
+        engine.step()
+        if phase == "save" and step == 1:
+            engine.save_checkpoint(ckpt, tag="t")
+    state = engine.optimizer.optimizer.state
+    has_momentum = any("momentum_buffer" in s for s in state.values())
+    out = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"params": out, "momentum": has_momentum}
+
+
+@pytest.mark.parametrize("stage,load_world", [(2, 2), (2, 1), (3, 2)])
+def test_zero_muon_momentum_survives_a_checkpoint(tmp_path, stage, load_world):
+    straight = run_distributed(_resume, world_size=WORLD, args=(stage, str(tmp_path), "save"), timeout=240)[0]
+    resumed = run_distributed(_resume, world_size=load_world, args=(stage, str(tmp_path), "load"), timeout=240)[0]
+    assert straight["momentum"] and resumed["momentum"]
+    for name, value in straight["params"].items():  # a lost momentum would change the third update
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
