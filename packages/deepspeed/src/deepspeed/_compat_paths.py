@@ -33,6 +33,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.runtime.zenflow": "ds_zero.zenflow",
     "deepspeed.runtime.zenflow.zenflow_config": "ds_config.zero",
     "deepspeed.runtime.zenflow.zenflow_utils": "ds_zero.zenflow.cores",
+    "deepspeed.runtime.zenflow.zenflow_stage_1_and_2": "ds_zero.zenflow.optimizer",  # ZenFlowZeroOptimizer
     "deepspeed.ops.adagrad": "ds_ops.adagrad",
     "deepspeed.ops.adagrad.cpu_adagrad": "ds_ops.adagrad.cpu_adagrad",
     "deepspeed.ops.lion": "ds_ops.lion",

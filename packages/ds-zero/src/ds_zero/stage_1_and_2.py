@@ -303,7 +303,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
     def step(self) -> bool:
         """Unscale, skip on overflow (every rank sees the same global norm), clip, update, gather weights."""
         self._ensure_partitions()
-        grads = [fg.fp32_grad() for fg in self.groups]
+        grads = self._step_grads()
         norm = self._global_norm(grads) / self.loss_scale
         if self._skip_on_overflow(self.settings.check_overflow and not math.isfinite(norm)):
             return False
@@ -319,6 +319,10 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         for fg in self.groups:
             fg.master.grad = None
         return self._stepped()
+
+    def _step_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradient partitions ``step`` applies, one per group (ZenFlow gives its window's mean)."""
+        return [fg.fp32_grad() for fg in self.groups]
 
     def _update(self) -> None:
         if self._cpu_adam:  # update-and-copy: the kernel writes the new low-precision weights in its pass

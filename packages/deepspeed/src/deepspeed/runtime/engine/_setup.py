@@ -143,6 +143,8 @@ def attach_features(engine: Any, config: Any, training_data: Any, collate_fn: An
                                                     engine.train_micro_batch_size_per_gpu())
     engine.training_dataloader = (engine.deepspeed_io(training_data, collate_fn=collate_fn)
                                   if training_data is not None else None)
+    if engine.training_dataloader is not None and hasattr(engine.optimizer, "set_steps_per_epoch"):
+        engine.optimizer.set_steps_per_epoch(len(engine.training_dataloader))  # ZenFlow's epoch strategies
     engine.monitor = _reporting.build_monitor(config)
     engine.flops_profiler = _reporting.build_flops_profiler(engine.module, config, engine)
     engine.autotuning_probe = attach_autotuning_probe(engine, config.autotuning)  # writes metrics, then exits

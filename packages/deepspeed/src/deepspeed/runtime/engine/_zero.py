@@ -37,7 +37,8 @@ def _unsupported(zero: Any, stage: int) -> list[ConfigProblem]:
     par = zero.offload_param
     if par is not None and not str(par.device).endswith("none"):
         problems.append(_problem("offload_param.device", f"parameter offload {stage3}: none", str(par.device)))
-    problems += zero_plus_plus_problems(zero, f"ZeRO++/MiCS {stage3}")
+    # ZenFlow runs at stages 1/2 (ds_zero.zenflow); zero_settings checks what of it this version honours
+    problems += [p for p in zero_plus_plus_problems(zero, f"ZeRO++/MiCS {stage3}") if not p.path.endswith(".zenflow")]
     if zero.legacy_stage1:
         problems.append(_problem("legacy_stage1", "the legacy stage 1 implementation is not available; "
                                  "accepted: false", True))
@@ -63,9 +64,10 @@ def zero_plus_plus_problems(zero: Any, why: str) -> list[ConfigProblem]:
 def zero_settings(config: Any) -> Any:
     """The ds-zero settings of a ZeRO stage 1/2 config (raises ``ConfigError`` listing every unsupported option)."""
     from ds_zero.stage_1_and_2 import ReduceSettings, ZeroSettings
+    from ds_zero.zenflow.plan import unsupported as zenflow_unsupported
 
     zero, stage = config.zero_optimization, config.zero_stage
-    problems = _unsupported(zero, stage)
+    problems = _unsupported(zero, stage) + zenflow_unsupported(config)
     if config.amp_enabled:
         problems.append(ConfigProblem("amp.enabled", "NVIDIA Apex AMP is not available with ZeRO; use \"bf16\" or "
                                       "\"fp16\"", True))
@@ -156,9 +158,14 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
         group = inputs.reduce_group
         group_comms = zero12_group_comms(inputs.basic_optimizer, group, inputs.dp_world_size)
     # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
-    wrapper = DeepSpeedZeroOptimizer(inputs.basic_optimizer, inputs.params, names, settings,
-                                     loss_scaler=loss_scaler(config), dp_group=group, comm=comm,
-                                     norm_scope=norm_scope(inputs.mpu), group_comms=group_comms)
+    kind, extra = DeepSpeedZeroOptimizer, {}
+    if config.zero_optimization.zenflow is not None:  # checked by zero_settings: CPU offload, fixed intervals
+        from ds_zero.zenflow import ZenFlowPlan, ZenFlowZeroOptimizer
+
+        kind, extra = ZenFlowZeroOptimizer, {"zenflow": ZenFlowPlan.from_config(config.zero_optimization.zenflow)}
+    wrapper = kind(inputs.basic_optimizer, inputs.params, names, settings,
+                   loss_scaler=loss_scaler(config), dp_group=group, comm=comm,
+                   norm_scope=norm_scope(inputs.mpu), group_comms=group_comms, **extra)
     wrapper.checkpoint_shards = (ZeroCheckpointShards(wrapper, inputs.module, config.to_dict(), __version__,
                                                       bf16=config.precision == "bf16"),)
     return wrapper, wrapper.reducer

@@ -2,7 +2,8 @@
 
 ``RolloutEngine`` is the interface (``RolloutRequest`` in, ``RolloutBatch`` out, per-call ``SamplingConfig``);
 ``HybridEngineRollout`` generates with the training engine's own module (the hybrid engine's weights, gathered
-once per call under ZeRO-3); ``build_rollout`` picks the engine named by a ``RolloutConfig``.
+once per call under ZeRO-3); ``build_rollout`` picks the engine named by a ``RolloutConfig``; ``opsd`` has the
+on-policy distillation targets (``ResponseTokenBatch``) and loss (``generalized_jsd_loss``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from deepspeed.runtime.rollout.base import (
     SamplingConfig,
 )
 from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRollout
+from deepspeed.runtime.rollout.opsd import JSDLossOutput, ResponseTokenBatch, generalized_jsd_loss
 
 __all__ = [
-    "HybridEngineRollout", "RolloutBatch", "RolloutConfig", "RolloutEngine", "RolloutRequest", "SamplingConfig",
-    "build_rollout",
+    "HybridEngineRollout", "JSDLossOutput", "ResponseTokenBatch", "RolloutBatch", "RolloutConfig", "RolloutEngine",
+    "RolloutRequest", "SamplingConfig", "build_rollout", "generalized_jsd_loss",
 ]
 
 _ENGINES = ("hybrid_engine", )
