@@ -329,3 +329,27 @@ def test_cpu_checkpointing_through_the_offload_engine_is_bitwise(cpu_as_device, 
             assert engine.stats.kept_last_tensors == 1
             assert not (engine._tracker or engine._keep_last)
             ckpt.reset()  # zeroes the engine's stats
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real copy streams)")
+def test_cuda_stream_offload_is_bitwise_under_jitter() -> None:
+    """The real side-stream path: compute-stream delays of random length between layers shift when the copies
+    run against the compute; every step's gradients must still equal those without offloading, bitwise."""
+    layers = _layers().cuda()
+    x = torch.randn(64, 16, device="cuda")
+    want = _step(layers, x)
+    rng = random.Random(0)
+    manager = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=1, max_fwd_stash_count=1)
+    assert manager.use_streams
+    for _ in range(10):
+        layers.zero_grad(set_to_none=True)
+        with manager:
+            h = inp = x.detach().requires_grad_(True)
+            for layer in layers:
+                manager.mark(h)
+                torch.cuda._sleep(rng.randrange(0, 200_000))
+                h = checkpoint(layer, h, use_reentrant=False)
+            loss = h.square().sum()
+            loss.backward()
+        _assert_bitwise([loss.detach(), inp.grad] + [p.grad for p in layers.parameters()], want)
+        assert manager.stats.offloaded_tensors == manager.stats.restored_tensors == 3
