@@ -263,3 +263,25 @@ def test_checkpoint_round_trip_with_moe_groups(stage, tmp_path):
         assert g["paddings"] == [pad if r == w - 1 else 0 for r, w, pad in g["layout"]]
         for name, value in g["straight"].items():
             assert torch.equal(value, g["resumed"][name]), name
+
+
+def _stage3_refusal_rank() -> str:
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    try:
+        deepspeed.initialize(model=Net(2), config=config)
+    except AssertionError as err:  # DeepSpeed's type; ours is also a ConfigError naming the key
+        from ds_config import ConfigError
+
+        assert isinstance(err, ConfigError)
+        return str(err)
+    return "no error"
+
+
+def test_native_moe_with_zero_stage3_is_refused_as_deepspeed_does():
+    messages = run_distributed(_stage3_refusal_rank, world_size=2, timeout=60)
+    for message in messages:
+        assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in message
+        assert "zero_optimization.stage" in message and "accepted: 0, 1, 2" in message

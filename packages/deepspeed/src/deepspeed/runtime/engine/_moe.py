@@ -13,6 +13,12 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.grad_reduce import BucketedAllReduce, GroupedReducer, ReduceOptions
+from ds_config import ConfigError
+
+
+class MoEWithZeroStage3(ConfigError, AssertionError):
+    """MoE layers with ``zero_optimization.stage`` 3: a ``ConfigError`` naming the key, and the ``AssertionError``
+    DeepSpeed's engine raises for native MoE under ZeRO-3."""
 
 
 def has_moe(module: torch.nn.Module) -> bool:

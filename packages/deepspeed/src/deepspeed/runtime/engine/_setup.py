@@ -74,8 +74,9 @@ def distribute_module(engine: Any, config: Any, mpu: Any) -> None:
     engine.has_moe_layers = _moe.has_moe(engine.module)
     if engine.has_moe_layers:
         if config.zero_stage == 3:
-            raise ConfigError(ConfigProblem("zero_optimization.stage", "MoE layers (ds_moe / deepspeed.moe) train "
-                                            "with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
+            raise _moe.MoEWithZeroStage3(ConfigProblem(
+                "zero_optimization.stage", "Native DeepSpeed MoE is not supported with ZeRO Stage 3: MoE layers "
+                "(ds_moe / deepspeed.moe, AutoEP) train with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
         _moe.configure(engine.module, mpu, config.use_data_before_expert_parallelism)
     engine.zero3_scheduler = None
     if config.zero_stage == 3:
