@@ -7,12 +7,15 @@ parameter group (``use_muon`` of ds-ops' ``MuonWithAuxAdam``) :class:`ZeroMuon`:
 
 1. all-gathers the group's gradient partitions and its momentum partitions into full flat buffers (two
    all-gathers over the group's ranks; temporary, the size of the group's full fp32 flat vector each);
-2. computes ``muon_update`` for every weight that has a piece in this rank's partition (a weight spanning two
-   partitions is computed by both ranks from the same inputs, so both hold the same momentum; under ZeRO-3
-   every rank holds a piece of nearly every weight);
-3. writes this rank's pieces of the updates into its gradient partition and of the new momentum into its
-   momentum partition (the optimizer state ``momentum_buffer``, shaped like the fp32 master partition, so
-   checkpoints save and re-partition it like any elementwise state).
+2. computes ``muon_update`` of some of the weights, so that each rank orthogonalises about ``1/W`` of them:
+   ZeRO-1/2, every weight with a piece in this rank's partition (a weight spanning two partitions is computed by
+   both ranks from the same inputs, so both keep the same momentum); ZeRO-3, where every rank holds a piece of
+   nearly every weight, weights ``r, r + W, ...`` on rank ``r``;
+3. keeps this rank's pieces of the updates as its gradient partition and of the new momentum as its momentum
+   partition (the optimizer state ``momentum_buffer``, shaped like the fp32 master partition, so checkpoints save
+   and re-partition it like any elementwise state). ZeRO-3 hands each rank its pieces of the weights others
+   computed with one reduce-scatter each for updates and momentum (every element comes from one rank, the
+   others add zeros: exact).
 
 The optimizer then applies the partition's gradient as the finished update (``ORTHOGONALIZED`` groups).
 Gradient clipping therefore acts on the gradients (as ``clip_grad_norm_`` before ``torch.optim.Muon`` does),
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ds_ops.muon import ORTHOGONALIZED, is_muon_optimizer, muon_update
 from ds_zero.collectives import Collectives
@@ -52,11 +56,17 @@ class _FlatView:
         offset, p = self.fg.layout.offsets[j], self.params[j]
         return flat.narrow(0, offset, p.numel()).view(p.shape)
 
-    def store(self, part: torch.Tensor, j: int, value: torch.Tensor) -> None:
+    def begin(self) -> torch.Tensor:
+        return torch.zeros(self.fg.layout.partition_numel, dtype=torch.float32, device=self.device)
+
+    def store(self, out: torch.Tensor, j: int, value: torch.Tensor) -> None:
         src = value.reshape(-1)
         for frag in self.fg.own:
             if frag.index == j:
-                part.narrow(0, frag.partition_offset, frag.numel).copy_(src.narrow(0, frag.tensor_offset, frag.numel))
+                out.narrow(0, frag.partition_offset, frag.numel).copy_(src.narrow(0, frag.tensor_offset, frag.numel))
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out
 
 
 class _Stage3View:
@@ -66,14 +76,14 @@ class _Stage3View:
     def __init__(self, group: Any, comm: Collectives, dp_group: Any, world: int, rank: int) -> None:
         self.g, self.comm, self.dp_group, self.world, self.rank = group, comm, dp_group, world, rank
         self.params = group.params
-        self.indices = [j for j, p in enumerate(self.params) if self._piece(j)[1] > 0]
+        self.indices = list(range(rank, len(self.params), world))  # round-robin: each weight on one rank
         self.device = group.grad_device
 
-    def _piece(self, j: int) -> tuple[int, int]:
-        """(start in the whole parameter, numel) of this rank's piece of parameter ``j``."""
+    def _piece(self, j: int, rank: int) -> tuple[int, int]:
+        """(start in the whole parameter, numel) of rank ``rank``'s piece of parameter ``j``."""
         p = self.params[j]
         size = p.ds_tensor.numel()
-        start = self.rank * size
+        start = rank * size
         return start, max(0, min(size, p.ds_numel - start))
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
@@ -89,9 +99,25 @@ class _Stage3View:
         offset, size = self.g.offsets[j], p.ds_tensor.numel()
         return gathered[:, offset:offset + size].reshape(-1)[:p.ds_numel].view(p.ds_shape)
 
-    def store(self, part: torch.Tensor, j: int, value: torch.Tensor) -> None:
-        start, numel = self._piece(j)
-        part.narrow(0, self.g.offsets[j], numel).copy_(value.reshape(-1).narrow(0, start, numel))
+    def begin(self) -> torch.Tensor:
+        return torch.zeros(self.world, self.g.numel, dtype=torch.float32, device=self.device)
+
+    def store(self, out: torch.Tensor, j: int, value: torch.Tensor) -> None:
+        """Every rank's piece of weight ``j`` into its row of ``out`` (the weight's other rows stay zero)."""
+        src = value.reshape(-1)
+        for rank in range(self.world):
+            start, numel = self._piece(j, rank)
+            out[rank].narrow(0, self.g.offsets[j], numel).copy_(src.narrow(0, start, numel))
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """Row ``r`` summed over the ranks, to rank ``r``: exact, since one rank wrote each element and the others
+        hold zeros there."""
+        if self.world == 1:
+            return out[0]
+        mine = torch.empty(self.g.numel, dtype=out.dtype, device=out.device)
+        scatter = getattr(self.comm, "reduce_scatter_tensor", None) or dist.reduce_scatter_tensor
+        scatter(mine, out.reshape(-1), group=self.dp_group)
+        return mine
 
 
 class ZeroMuon:
@@ -145,8 +171,7 @@ class ZeroMuon:
                 continue
             mom = self.momentum(master)
             full_grad, full_mom = view.gather(grad), view.gather(mom)
-            new_grad = torch.zeros_like(grad, device=view.device)  # padding stays zero
-            new_mom = mom.to(view.device, copy=True)
+            new_grad, new_mom = view.begin(), view.begin()  # padding stays zero
             for j in view.indices:
                 m = view.read(full_mom, j).clone()
                 update = muon_update(view.read(full_grad, j), m, beta=group["momentum"],
@@ -154,5 +179,5 @@ class ZeroMuon:
                                      is_expert_group=getattr(view.params[j], "is_expert_group", False))
                 view.store(new_grad, j, update)
                 view.store(new_mom, j, m)
-            grad.copy_(new_grad)
-            mom.copy_(new_mom)
+            grad.copy_(view.finish(new_grad))
+            mom.copy_(view.finish(new_mom))
