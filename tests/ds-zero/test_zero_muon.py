@@ -150,3 +150,35 @@ def test_zero_muon_momentum_survives_a_checkpoint(tmp_path, stage, load_world):
     assert straight["momentum"] and resumed["momentum"]
     for name, value in straight["params"].items():  # a lost momentum would change the third update
         torch.testing.assert_close(resumed["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _client_optimizer(stage: int) -> dict[str, torch.Tensor]:
+    """The stand-alone ``original_muon.MuonWithAuxAdam``, passed by the client, under ZeRO."""
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed.runtime.zero.muon.original_muon import MuonWithAuxAdam
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    model = make_net()
+    opt = MuonWithAuxAdam([
+        {"params": [model.fc1.weight, model.fc2.weight], "use_muon": True, "lr": LR, "momentum": MOMENTUM,
+         "weight_decay": WD, "ns_method": "gram"},
+        {"params": [model.embed.weight, model.fc1.bias, model.fc2.bias], "use_muon": False, "lr": ADAM_LR,
+         "weight_decay": WD}])
+    cfg = {k: v for k, v in config(stage, "gram", 0.0, False).items() if k != "optimizer"}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    rank = dist.get_rank()
+    for ids, x, y in data():
+        part = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(loss_fn(engine(ids[part], x[part]), y[part]))
+        engine.step()
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_client_muon_optimizer_under_zero(stage):
+    got = run_distributed(_client_optimizer, world_size=WORLD, args=(stage,), timeout=240)[0]
+    expected = reference("gram", 0.0)
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], rtol=2e-5, atol=2e-5, msg=name)

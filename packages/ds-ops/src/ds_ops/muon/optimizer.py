@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
+from ds_ops.muon.original import ORTHOGONALIZED, _apply_precomputed, _AuxAdamBase, _muon_param
 from ds_ops.muon.original import MuonWithAuxAdam as _DistributedMuonWithAuxAdam
-from ds_ops.muon.original import _muon_param
 
-ORTHOGONALIZED = "muon_update_precomputed"
-"""Parameter-group key: True when the group's gradients already are Muon's updates (set by ZeRO)."""
+__all__ = ["ORTHOGONALIZED", "MuonWithAuxAdam", "is_muon_optimizer"]
 
 
 class MuonWithAuxAdam(_DistributedMuonWithAuxAdam):
@@ -28,16 +27,14 @@ class MuonWithAuxAdam(_DistributedMuonWithAuxAdam):
     distributed = False
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        if not group.get(ORTHOGONALIZED):
-            for p in group["params"]:
-                _muon_param(p, self.state[p], group)
+        if group.get(ORTHOGONALIZED):
+            _apply_precomputed(group)
             return
         for p in group["params"]:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            if p.grad is not None:
-                p.add_(p.grad.reshape(p.shape), alpha=-group["lr"])
+            _muon_param(p, self.state[p], group)
 
 
 def is_muon_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """An optimizer whose ``use_muon`` groups expect ZeRO to hand them Muon's updates."""
-    return isinstance(optimizer, MuonWithAuxAdam)
+    """A Muon-with-auxiliary-Adam optimizer (this one or ``original_muon``'s), whose ``use_muon`` groups take
+    ZeRO's precomputed updates."""
+    return isinstance(optimizer, _AuxAdamBase)

@@ -23,6 +23,10 @@ import torch.distributed as dist
 
 from ds_ops.muon.newton_schulz import adam_update, check_ns_method, muon_update
 
+ORTHOGONALIZED = "muon_update_precomputed"
+"""Parameter-group key: True when the group's gradients already are Muon's updates (set by ZeRO, whose flat
+partitions cannot be orthogonalised: ``ds_zero.muon`` computes the updates from the full gradients)."""
+
 MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram"}
 ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 
@@ -57,6 +61,14 @@ def _muon_param(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -
                          is_expert_group=getattr(p, "is_expert_group", False))
     p.mul_(1 - group["lr"] * group["weight_decay"])
     p.add_(update.reshape(p.shape), alpha=-group["lr"])
+
+
+def _apply_precomputed(group: dict[str, Any]) -> None:
+    """``p <- p (1 - lr wd) - lr update``, the update being the gradient ZeRO left (see ``ORTHOGONALIZED``)."""
+    for p in group["params"]:
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        if p.grad is not None:
+            p.add_(p.grad.reshape(p.shape), alpha=-group["lr"])
 
 
 def _adam_param(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
@@ -149,6 +161,10 @@ class _AuxAdamBase(torch.optim.Optimizer):
         super().__init__(complete_groups(param_groups, sort_muon=self.distributed), {})
 
     def _muon_group(self, group: dict[str, Any]) -> None:
+        if group.get(ORTHOGONALIZED):
+            _apply_precomputed(group)
+            return
+
         def one(p: torch.Tensor) -> None:
             _muon_param(p, self.state[p], group)
 
