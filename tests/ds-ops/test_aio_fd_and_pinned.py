@@ -142,3 +142,23 @@ def test_freed_buffer_fails_loudly_instead_of_aliasing():
     with pytest.raises(RuntimeError, match="out of bounds"):
         x.narrow(0, 0, 4).view(-1)
     assert view.untyped_storage().nbytes() == 0
+
+
+def test_in_place_writes_reserve_only_past_the_end(make_handle, tmp_path):
+    """An in-place write reserves the part past the end of the file up front (O_DIRECT extending writes would run
+    synchronously in io_submit) and never shrinks a longer file."""
+    h = make_handle(block_size=4096, queue_depth=4)
+    path = tmp_path / "inplace.bin"
+    path.write_bytes(b"\x01" * 20_000)
+    head = fx.random_tensor(4096, torch.uint8, seed=5)
+    assert h.sync_pwrite(head, str(path), 0, whole_file=False) == 1
+    assert path.stat().st_size == 20_000 and _file_bytes(path)[:4096] == head.numpy().tobytes()
+    tail = fx.random_tensor(3 * 4096, torch.uint8, seed=6)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert h.async_pwrite(tail, fd, 24_576) == 0 and h.wait() == 1
+    finally:
+        os.close(fd)
+    data = _file_bytes(path)
+    assert len(data) == 24_576 + tail.numel() and data[20_000:24_576] == bytes(4576)
+    assert data[24_576:] == tail.numpy().tobytes() and data[4096:20_000] == b"\x01" * 15_904

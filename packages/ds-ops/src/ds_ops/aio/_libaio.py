@@ -136,9 +136,9 @@ def munlock(address: int, length: int) -> None:
     libc().munlock(ffi().cast("void *", address), length)
 
 
-def fallocate(fd: int, length: int) -> int:
-    """Reserve ``length`` bytes for ``fd`` (mode 0, so the size grows too); returns 0 or the errno."""
-    rc = libc().fallocate(fd, 0, 0, length)
+def fallocate(fd: int, length: int, offset: int = 0) -> int:
+    """Reserve ``length`` bytes of ``fd`` from ``offset`` (mode 0, so the size grows too); returns 0 or the errno."""
+    rc = libc().fallocate(fd, 0, offset, length)
     return 0 if rc == 0 else ffi().errno
 
 
