@@ -128,8 +128,6 @@ NOT_BUILT: dict[str, str] = {
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
     "deepspeed.linear": "the LoRA-optimized and quantized linear layers (deepspeed.linear: OptimizedLinear, "
                         "LoRAConfig, QuantizationConfig)",
-    "deepspeed.runtime.sequence_parallel.ulysses_sp": "Arctic Long Sequence Training (ALST: UlyssesSPAttentionHF, "
-                                                      "UlyssesSPDataLoaderAdapter, TiledMLP, TiledFusedLogitsLoss)",
     "deepspeed.sequence.fpdt_layer": "FPDT, the fully pipelined distributed transformer (chunked, offloaded "
                                      "Ulysses attention)",
     "deepspeed.ops.triton_ops": "the Triton kernels (deepspeed.ops.triton_ops)",
@@ -138,7 +136,6 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.ops.sparse_attention.softmax": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                               "sparse_attention.softmax.Softmax)",
     "deepspeed.inference.quantization": "weight-only quantized inference (deepspeed.inference.quantization)",
-    "deepspeed.checkpoint.autoep_universal": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.module_inject.auto_ep_folding": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.moe.ep_tp_dispatch": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.compile.inductor": "DeepCompile (compiler-driven ZeRO passes)",

@@ -137,6 +137,18 @@ class _SeqAllToAll(torch.autograd.Function):
         return None, _SeqAllToAll.apply(group, grad, seq_dim, counts, not ctx.to_heads), None, None, None
 
 
+def sequence_all_to_all(x: Tensor, seq_dim: int, group: Any, to_heads: bool) -> Tensor:
+    """The differentiable Ulysses exchange with the heads (dim 2) split evenly over ``group``: ``to_heads``
+    turns ``[.., s/P, .., H, d]`` into ``[.., s, .., H/P, d]``, otherwise the reverse (ALST's HF attention uses it)."""
+    world = dist.get_world_size(group)
+    heads = x.shape[2]
+    if to_heads and heads % world:
+        raise ValueError(f"sequence_all_to_all: the head count ({heads}, dim 2 of a {tuple(x.shape)} tensor) must "
+                         f"be divisible by the sequence parallel size ({world})")
+    counts = [heads // world if to_heads else heads] * world
+    return _SeqAllToAll.apply(group, x, seq_dim, counts, to_heads)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.unflatten(-1, (2, x.shape[-1] // 2)).unbind(dim=-2)
     return torch.cat((-x2, x1), dim=-1)

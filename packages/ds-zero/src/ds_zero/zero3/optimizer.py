@@ -558,6 +558,15 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         """DeepSpeed's name for each sub-group's flat fp32 master partition."""
         return [g.master for g in self.groups]
 
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """This rank's accumulated gradient partitions in fp32, ``[sub-group][index in it]`` (DeepSpeed's)."""
+        swapped = self.grads_materialized(self.swapped, write_back=False) if self.swapper is not None \
+            else contextlib.nullcontext()
+        with swapped:
+            return {i: {k: g.grad.narrow(0, offset, p.ds_tensor.numel()).float()
+                        for k, (p, offset) in enumerate(zip(g.params, g.offsets, strict=True))}
+                    for i, g in enumerate(self.groups)}
+
     def _set_fp32_optimizer_param_groups(self) -> None:
         """DeepSpeed puts the sub-groups' fp32 masters into the torch optimizer's parameter groups around a step
         or a read of its ``state_dict()`` (its tests and tools call this first); here they stay there from

@@ -251,6 +251,8 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         """Per-parameter hook, as the gradient lands: precision bookkeeping, then (maybe) overlapped reduction."""
         if not self._in_backward:
             self._begin_backward()
+        if getattr(param, "ds_grad_is_ready", True) is False:  # a tiled compute's partial sum: more will land
+            return
         self.optimizer.on_grad(param)
         if self._syncing:
             self.reducer.grad_ready(param)

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.sequence_parallel``: DeepSpeed's module path for sequence-parallel process groups.
 
 ``parallel_state_sp`` is a module-level mpu with a sequence axis (pass the module itself as ``mpu=`` to
-``deepspeed.initialize``). ``ulysses_sp`` (Arctic Long Sequence Training) is not built in this version: importing
-it raises an error naming the feature.
+``deepspeed.initialize``). ``ulysses_sp`` is Arctic Long Sequence Training (Ulysses for Hugging Face models, the
+sequence-sharding data loader adapter, tiled MLP and loss computation; docs/alst.md).
 """
