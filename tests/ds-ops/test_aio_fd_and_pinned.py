@@ -162,3 +162,15 @@ def test_in_place_writes_reserve_only_past_the_end(make_handle, tmp_path):
     data = _file_bytes(path)
     assert len(data) == 24_576 + tail.numel() and data[20_000:24_576] == bytes(4576)
     assert data[24_576:] == tail.numpy().tobytes() and data[4096:20_000] == b"\x01" * 15_904
+
+
+def test_deepspeed_memcpy_copies_bytes_and_checks_its_arguments():
+    from ds_ops.aio.async_io import deepspeed_memcpy
+
+    src = fx.random_tensor(10_001, torch.float64, seed=9)
+    dst = torch.empty(10_001 * 8, dtype=torch.uint8)
+    assert deepspeed_memcpy(dst, src) == 0 and fx.same_bytes(dst.view(torch.float64), src)
+    with pytest.raises(ValueError, match="dest holds 80008 bytes but src 8"):
+        deepspeed_memcpy(dst, torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="src must be a contiguous CPU tensor"):
+        deepspeed_memcpy(torch.empty(4), torch.zeros(4, 2)[:, 0])

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ds_ops.aio.async_io import deepspeed_memcpy
+
 
 class PinnedIOBuffer:
     """``slots`` equal parts of ``pinned`` (a 1-D uint8 CPU tensor), drained to ``fd`` through ``handle``."""
@@ -33,7 +35,7 @@ class PinnedIOBuffer:
         """Copy bytes of ``src`` from ``start`` into the current slot; returns how many fit."""
         slot = self._slots[self._fill]
         count = min(src.numel() - start, slot.numel() - self._offset)
-        slot.narrow(0, self._offset, count).copy_(src.narrow(0, start, count))
+        deepspeed_memcpy(slot.narrow(0, self._offset, count), src.narrow(0, start, count))
         self._offset += count
         return count
 

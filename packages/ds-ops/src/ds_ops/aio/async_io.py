@@ -10,6 +10,7 @@ from ds_ops.aio._handle import BACKEND_ENV, AsyncIOHandle
 from ds_ops.aio._libaio import unavailable_reason as libaio_unavailable_reason
 from ds_ops.aio._memory import free_locked as free_cpu_locked_tensor
 from ds_ops.aio._memory import is_locked_tensor, is_pinned, page_aligned_empty
+from ds_ops.aio._memory import memcpy as deepspeed_memcpy
 from ds_ops.aio._memory import new_locked as new_cpu_locked_tensor
 
 aio_handle = AsyncIOHandle
@@ -19,6 +20,7 @@ __all__ = [
     "AioError",
     "AsyncIOHandle",
     "aio_handle",
+    "deepspeed_memcpy",
     "free_cpu_locked_tensor",
     "is_locked_tensor",
     "is_pinned",
