@@ -205,12 +205,13 @@ class ZeroCheckpointShards:
             lo, hi = fg.layout.partition_range(fg.rank)
             keys = universal_keys(ctx.tag_dir, fg.names, with_state)
             flats = {key: torch.zeros(fg.layout.partition_numel, dtype=torch.float32) for key in keys}
-            for name, offset, numel in zip(fg.names, fg.layout.offsets, fg.layout.numels, strict=True):
+            for name, param, offset, numel in zip(fg.names, fg.params, fg.layout.offsets, fg.layout.numels,
+                                                  strict=True):
                 start, end = max(lo, offset), min(hi, offset + numel)
                 if start >= end:
                     continue  # another rank's parameter: its files are not read
                 for key, flat in flats.items():
-                    value = read_universal(ctx, load, name, key, numel)
+                    value = read_universal(ctx, load, name, key, numel, getattr(param, EXPERT_ROWS_ATTR, None))
                     flat[start - lo:end - lo] = value[start - offset:end - offset]
             masters.append(flats.pop("fp32"))
             if flats:
@@ -310,6 +311,8 @@ def _optimizer_state(obj: Any, name: str, tag_dir: str) -> dict[str, Any]:
 
 # ---- Universal Checkpoint reading (shared with ZeRO-3) ----------------------------------------------------------
 UNIVERSAL_ZERO = "zero"
+# (ep_rank, ep_size) an AutoEP expert parameter carries: its rows of a universal expert tensor
+EXPERT_ROWS_ATTR = "ds_autoep_rank"
 UNIVERSAL_OPTIMIZER_STATE = "optimizer_state.pt"
 
 
@@ -343,13 +346,23 @@ def _read_plain(ctx: Any, load: Callable[[str], Any], name: str) -> Any:
         return load_with_placeholders(os.path.join(ctx.tag_dir, name))
 
 
-def read_universal(ctx: Any, load: Callable[[str], Any], name: str, key: str, numel: int) -> torch.Tensor:
-    """``zero/<name>/<key>.pt`` flattened (``{"param": t}`` at stage 1/2, a bare tensor at stage 3)."""
+def read_universal(ctx: Any, load: Callable[[str], Any], name: str, key: str, numel: int,
+                   expert_rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """``zero/<name>/<key>.pt`` flattened (``{"param": t}`` at stage 1/2, a bare tensor at stage 3). An expert
+    parameter's file (``is_expert_param``) holds every expert's rows: ``expert_rows`` = (ep_rank, ep_size) of the
+    parameter (``EXPERT_ROWS_ATTR``) picks this expert-parallel rank's share of them."""
     rel = os.path.join(UNIVERSAL_ZERO, name, f"{key}.pt")
     obj = _read_plain(ctx, load, rel)
     value = obj.get("param") if isinstance(obj, dict) else obj
     if not isinstance(value, torch.Tensor):
         raise file_error(ctx.tag_dir, rel, f"holds no tensor (found {type(obj).__name__})")
+    if isinstance(obj, dict) and obj.get("is_expert_param") and expert_rows is not None:
+        ep_rank, ep_size = expert_rows
+        if value.dim() == 0 or value.shape[0] % ep_size:
+            raise file_error(ctx.tag_dir, rel, f"{value.shape[0] if value.dim() else 0} experts cannot be split over "
+                             f"autoep_size {ep_size} (parameter {name!r})")
+        local = value.shape[0] // ep_size
+        value = value[ep_rank * local:(ep_rank + 1) * local]
     value = value.detach().reshape(-1)
     if value.numel() != numel:
         raise file_error(ctx.tag_dir, rel, f"wrong shape: {value.numel()} values, the model's parameter {name!r} "

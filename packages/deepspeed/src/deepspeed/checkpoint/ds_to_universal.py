@@ -26,7 +26,9 @@ stage 0/1/2) are put back together from their tensor-parallel shards (``autotp_u
 checkpoints that describe their layout by ``universal_checkpoint_info`` merge rules (DeepSpeed's AutoTP under
 ZeRO-3, and its ZeRO-1/2 ones) are merged by those rules (``tp_merge``). Before anything is written, a ZeRO-1/2
 checkpoint is read as a ``DeepSpeedCheckpoint`` and refused when it lacks ``universal_checkpoint_info`` or marks
-parameters unconvertible (``autotp_unsupported_parameter_patterns``), as DeepSpeed does.
+parameters unconvertible (``autotp_unsupported_parameter_patterns``), as DeepSpeed does. AutoEP checkpoints
+(``ds_autoep_layers`` in the model states, ZeRO-1/2) put each expert weight's rows of every expert-parallel rank
+together (``autoep_convert``), so the result loads at any ``autoep_size``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from deepspeed.checkpoint._conversion import (
 from deepspeed.checkpoint._conversion import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE as UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
+from deepspeed.checkpoint.autoep_convert import autoep_layers_of, convert_autoep_zero12
 from deepspeed.checkpoint.autoep_metadata import (  # DeepSpeed's private name for it
     aggregate_autoep_zero12_metadata as _aggregate_autoep_zero12_metadata,  # noqa: F401
 )
@@ -123,6 +126,8 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
     if mp_ranks != list(range(len(mp_ranks))):
         raise UniversalConversionError(f"{input_folder}: optimizer files of model-parallel ranks {mp_ranks}; ranks "
                                        f"{sorted(set(range(max(mp_ranks) + 1)) - set(mp_ranks))} are missing")
+    if mp_ranks == [0] and autoep_layers_of(input_folder) is not None:  # experts partitioned per expert rank
+        return convert_autoep_zero12(input_folder, output_folder, inject_missing_state, strict)
     if len(mp_ranks) > 1 and _autotp_size(input_folder) > 1:  # tensor-parallel shards put back together
         from deepspeed.checkpoint.autotp_universal import convert_autotp
 

@@ -126,9 +126,14 @@ def take_over_module(engine: Any, trained: set[int]) -> None:
 def add_checkpoint_shards(engine: Any) -> None:
     """The MoE experts' and the AutoTP-sharded layers' parts of ``engine.checkpoint_shards``."""
     if engine.has_moe_layers:
-        from deepspeed.runtime.engine._moe_checkpoint import MoECheckpointShards
+        from deepspeed.runtime.engine._autoep_checkpoint import AutoEPCheckpointShards, autoep_layers
+        from deepspeed.runtime.engine._moe_checkpoint import MoECheckpointShards, _moe_layers
 
-        engine.checkpoint_shards = (*engine.checkpoint_shards, MoECheckpointShards(engine))
+        moe = MoECheckpointShards(engine)  # native MoE layers' files; stage 0: every expert rank's optimizer
+        if _moe_layers(engine.module) or moe.owns_optimizer_state:
+            engine.checkpoint_shards = (*engine.checkpoint_shards, moe)
+        if autoep_layers(engine.module):
+            engine.checkpoint_shards = (*engine.checkpoint_shards, AutoEPCheckpointShards(engine))
     if engine.mp_world_size > 1:  # AutoTP-sharded layers: full weights in the checkpoints
         from deepspeed.runtime.autotp import checkpoint_shards
 

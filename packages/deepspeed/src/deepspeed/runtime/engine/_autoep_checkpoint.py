@@ -1,0 +1,168 @@
+"""AutoEP checkpoints in DeepSpeed's layout, so they load onto any ``autoep_size``.
+
+- The model-states file lists the AutoEP layers under ``ds_autoep_layers`` (module order: ``moe_layer_id``,
+  ``module_path``, ``num_experts``, ``num_local_experts``, ``ep_size``, ``expert_key_prefix``, the saving rank's
+  ``ep_rank`` and expert range) and carries ``universal_checkpoint_info`` with the expert parameter patterns, which
+  ``ds_to_universal`` reads to put the experts of all expert-parallel ranks back together
+  (``deepspeed.checkpoint.autoep_universal``).
+- ``layer_<l>_expert_<e>_mp_rank_XX_model_states.pt``: global expert ``e`` of the ``l``-th AutoEP layer as
+  ``<prefix>.w1|w2|w3.<e>`` (one row of each fused weight), written by the first rank of each expert-data-parallel
+  group. The model-states file keeps every other weight. A load reads its own expert-parallel rank's experts, so
+  the weights load at any ``autoep_size`` dividing ``num_experts``; ZeRO's optimizer shards load onto the same
+  layout only, a Universal Checkpoint onto any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepspeed.checkpoint.autoep_universal import EXPERT_WEIGHT_NAMES
+from deepspeed.checkpoint.constants import (
+    AUTOEP_LAYERS_KEY,
+    EXPERT_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
+from deepspeed.runtime.checkpointing import CheckpointError, ShardContext
+from deepspeed.runtime.checkpointing.checks import content_error
+from ds_zero.checkpoint import EXPERT_ROWS_ATTR  # (ep_rank, ep_size): the rows a universal load cuts
+
+EXPERT_PATTERN = r".*\.experts\.w[123]$"
+REQUIRED_FIELDS = ("moe_layer_id", "module_path", "num_experts", "num_local_experts", "ep_size", "expert_key_prefix")
+
+
+def autoep_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    from ds_moe.autoep.layer import AutoEPMoELayer
+
+    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, AutoEPMoELayer)]
+
+
+def _prefix(name: str) -> str:
+    return f"{name}.experts" if name else "experts"
+
+
+def validate_autoep_layers(layers: Any, where: str) -> list[dict[str, Any]]:
+    """A checkpoint's ``ds_autoep_layers``: a list of dicts with the required fields and distinct layer ids."""
+    if not isinstance(layers, list):
+        raise CheckpointError(f"{where}: ds_autoep_layers metadata is malformed: expected list, got "
+                              f"{type(layers).__name__}")
+    seen = set()
+    for entry in layers:
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: ds_autoep_layers entry is malformed: expected dict, got "
+                                  f"{type(entry).__name__}")
+        missing = sorted(set(REQUIRED_FIELDS) - entry.keys())
+        if missing:
+            raise CheckpointError(f"{where}: ds_autoep_layers entry is invalid: missing fields {missing}")
+        if entry["moe_layer_id"] in seen:
+            raise CheckpointError(f"{where}: ds_autoep_layers metadata has duplicate moe_layer_id: "
+                                  f"{entry['moe_layer_id']}")
+        seen.add(entry["moe_layer_id"])
+    return layers
+
+
+class AutoEPCheckpointShards:
+    """The checkpoint extension of an engine whose model has AutoEP layers."""
+
+    owns_optimizer_state = False
+    owns_module_state = False
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.layers = autoep_layers(engine.module)
+        if len({layer.ep_size for _, layer in self.layers}) > 1:
+            raise CheckpointError("AutoEP checkpointing needs one autoep_size for every AutoEP layer, found "
+                                  f"{sorted({layer.ep_size for _, layer in self.layers})}")
+        for _, layer in self.layers:
+            for param in layer.experts.parameters():
+                setattr(param, EXPERT_ROWS_ATTR, (layer.ep_rank, layer.ep_size))
+
+    def _entries(self) -> list[dict[str, Any]]:
+        from ds_moe import groups
+
+        entries = []
+        for layer_id, (name, layer) in enumerate(self.layers):
+            first = layer.ep_rank * layer.num_local_experts
+            group = layer.ep_group_name
+            edp = ((groups._get_expert_data_parallel_rank(group), groups._get_expert_data_parallel_world_size(group))
+                   if group in groups._get_expert_parallel_group_dict() else (0, 1))
+            entries.append({"moe_layer_id": layer_id, "module_path": name, "num_experts": layer.num_experts,
+                            "num_local_experts": layer.num_local_experts, "ep_size": layer.ep_size,
+                            "expert_key_prefix": _prefix(name), "expert_state_format": "per_expert_files",
+                            "ep_group_name": layer.ep_group_name, "ep_rank": layer.ep_rank,
+                            "expert_data_parallel_rank": edp[0], "expert_data_parallel_world_size": edp[1],
+                            "global_expert_start": first, "global_expert_end": first + layer.num_local_experts})
+        return entries
+
+    def model_state_extras(self) -> dict[str, Any]:
+        entries = self._entries()
+        info = dict(getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
+        info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+        info[EXPERT_PARAMETER_PATTERNS] = [EXPERT_PATTERN]
+        info[AUTOEP_LAYERS_KEY] = entries
+        return {AUTOEP_LAYERS_KEY: entries, UNIVERSAL_CHECKPOINT_INFO: info}
+
+    def strip_module_state(self, weights: dict[str, Any]) -> dict[str, Any]:
+        fused = {f"{_prefix(name)}.{w}" for name, _ in self.layers for w in EXPERT_WEIGHT_NAMES}
+        return {k: v for k, v in weights.items() if k not in fused}
+
+    def files_to_save(self, ctx: ShardContext) -> dict[str, Any]:
+        from ds_moe import groups
+
+        files: dict[str, Any] = {}
+        mp = ctx.parallel.mp_rank
+        for layer_id, (name, layer) in enumerate(self.layers):
+            group = layer.ep_group_name
+            if group in groups._get_expert_parallel_group_dict() and groups._get_expert_data_parallel_rank(group):
+                continue  # one writer per expert-data-parallel group
+            first = layer.ep_rank * layer.num_local_experts
+            for local in range(layer.num_local_experts):
+                files[f"layer_{layer_id}_expert_{first + local}_mp_rank_{mp:02d}_model_states.pt"] = {
+                    f"{_prefix(name)}.{w}.{first + local}": getattr(layer.experts, w)[local].detach().clone()
+                    for w in EXPERT_WEIGHT_NAMES}
+        return files
+
+    def complete_module_state(self, weights: dict[str, Any], load: Callable[[str], Any]) -> dict[str, Any]:
+        """Stack this rank's experts (by global id) from the per-expert files into the fused weights."""
+        mp = self.engine.mp_rank
+        for layer_id, (name, layer) in enumerate(self.layers):
+            first = layer.ep_rank * layer.num_local_experts
+            rows: dict[str, list[torch.Tensor]] = {w: [] for w in EXPERT_WEIGHT_NAMES}
+            for e in range(first, first + layer.num_local_experts):
+                file = f"layer_{layer_id}_expert_{e}_mp_rank_{mp:02d}_model_states.pt"
+                saved = load(file)
+                for w in EXPERT_WEIGHT_NAMES:
+                    key = f"{_prefix(name)}.{w}.{e}"
+                    if not isinstance(saved, dict) or key not in saved:
+                        raise content_error(file, f"missing key {key!r}: not expert {e} of AutoEP layer {name!r} "
+                                            f"(saved with another model or num_experts?)")
+                    rows[w].append(saved[key])
+            for w in EXPERT_WEIGHT_NAMES:
+                weights[f"{_prefix(name)}.{w}"] = torch.stack(rows[w])
+        return weights
+
+    def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
+        self.prepare_load(ctx, load)()
+
+    def prepare_load(self, ctx: ShardContext, load: Callable[[str], Any]) -> Callable[[], None]:
+        """Check the saved ``ds_autoep_layers`` against this model (the weights come through complete_module_state)."""
+        name = f"mp_rank_{ctx.parallel.mp_rank:02d}_model_states.pt"
+        saved = load(name).get(AUTOEP_LAYERS_KEY)
+        if saved is not None:
+            self.check_saved_layers(validate_autoep_layers(saved, name), name)
+        return lambda: None
+
+    def prepare_universal(self, ctx: ShardContext, load: Callable[[str], Any]) -> Callable[[], None]:
+        """A Universal Checkpoint's experts come through the optimizer's universal load (rows cut by ep rank)."""
+        return self.prepare_load(ctx, load)
+
+    def check_saved_layers(self, saved: list[dict[str, Any]], where: str) -> None:
+        now = {_prefix(name): layer.num_experts for name, layer in self.layers}
+        then = {entry["expert_key_prefix"]: entry["num_experts"] for entry in saved}
+        if then != now:
+            raise CheckpointError(f"{where}: saved AutoEP layers (expert prefix -> num_experts) {then} differ from "
+                                  f"this model's {now}")
