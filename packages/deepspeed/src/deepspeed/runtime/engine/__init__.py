@@ -51,6 +51,7 @@ from deepspeed.runtime.peer_failure import announce, named_peer_failures
 from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
 from deepspeed.utils import log_dist
 from deepspeed.utils.timer import ThroughputTimer
+from deepspeed.utils.torch import is_functorch_transforming
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -192,9 +193,17 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         self.timers.stop(FORWARD)
         return out
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if is_functorch_transforming():  # torch.func differentiates the engine as a plain function: no training step
+            return None
         if not self._in_backward:
             self._begin_backward()
+        gas = self.gradient_accumulation_steps()
+        if self._engine_backward or gas == 1:
+            return None
+        # a direct loss.backward() (or engine.scale(loss).backward()) averages over the accumulation window as
+        # engine.backward's loss / gas does: DeepSpeed divides the gradient reaching each output by gas
+        return grad / gas
 
     # ---- backward --------------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
