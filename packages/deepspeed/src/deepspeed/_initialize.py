@@ -53,14 +53,15 @@ def _pipeline_module(model: Any) -> Any:
     return model if module is not None and isinstance(model, module.PipelineModule) else None
 
 
-def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any]:
+def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any,
+                  data_first: bool = False) -> tuple[Any, Any]:
     """AutoEP: the model's Hugging Face MoE blocks become expert-parallel layers; a parameter list or a client
     optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them)."""
     import torch
 
     from ds_moe.autoep import apply_autoep, remap_parameters
 
-    apply_autoep(model, section)
+    apply_autoep(model, section, use_data_before_expert_parallel=data_first)  # the engine's group order
     if isinstance(model_parameters, (list, tuple)):
         model_parameters = remap_parameters(model_parameters, model)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -116,7 +117,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         ds_config.check_pipeline(pipe.num_stages)
     comm.configure(ds_config)
     if ds_config.expert_parallel.enabled:
-        model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer)
+        model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer,
+                                                    ds_config.use_data_before_expert_parallelism)
     if ds_config.hybrid_engine.enabled:
         engine_class = _hybrid_engine_class(engine_class)
     engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,

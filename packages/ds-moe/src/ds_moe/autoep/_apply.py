@@ -39,8 +39,9 @@ def as_autoep_config(config: Any) -> AutoEPConfig:
     return parse_autoep_config(config)
 
 
-def _expert_parallel_rank(ep: int) -> tuple[Any, int]:
-    """This process's ``ep_size_<ep>`` group (created on first use; collective) and its rank in it."""
+def _expert_parallel_rank(ep: int, data_first: bool = False) -> tuple[Any, int]:
+    """This process's ``ep_size_<ep>`` group (created on first use; collective; ``data_first``: DeepSpeed's
+    ``use_data_before_expert_parallelism`` rank order) and its rank in it."""
     if not _distributed():
         if ep > 1:
             raise RuntimeError(f"expert_parallel.autoep_size={ep} needs torch.distributed initialised "
@@ -48,12 +49,13 @@ def _expert_parallel_rank(ep: int) -> tuple[Any, int]:
         return None, 0
     name = f"ep_size_{ep}"
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep)
+        groups._create_expert_and_data_parallel(ep, use_data_before_expert_parallel_=data_first)
     group = groups._get_expert_parallel_group(name)
     return group, dist.get_rank(group=group)
 
 
-def apply_autoep(model: nn.Module, config: Any, world_size: int | None = None) -> list[str]:
+def apply_autoep(model: nn.Module, config: Any, world_size: int | None = None,
+                 use_data_before_expert_parallel: bool = False) -> list[str]:
     """Replace ``model``'s MoE blocks by ``AutoEPMoELayer`` (in place); the replaced modules' names.
 
     ``config``: the ``expert_parallel`` section (nothing happens unless ``enabled``). ``world_size``: the ranks
@@ -76,7 +78,7 @@ def apply_autoep(model: nn.Module, config: Any, world_size: int | None = None) -
         if any(hasattr(p, "ds_id") for p in model.get_submodule(spec.moe_module_name).parameters()):
             raise ValueError(f"zero_optimization.stage=3: the parameters of '{spec.moe_module_name}' are ZeRO-3 "
                              "partitioned; AutoEP supports ZeRO stages 0, 1 and 2 only")
-    group, rank = _expert_parallel_rank(config.autoep_size)
+    group, rank = _expert_parallel_rank(config.autoep_size, use_data_before_expert_parallel)
     auto_ep.replace_moe_layers(specs, config.autoep_size, rank)
     for spec in specs:
         model.get_submodule(spec.moe_module_name).ep_group = group
