@@ -6,7 +6,8 @@
 - ``stage3_module_granularity_threshold`` marks leaves by DeepSpeed's rule (elements per layer, containers never,
   the model itself included), visible through ``z3_leaf_module``;
 - a checkpointed model gathered as one leaf releases everything after backward (2 gloo ranks against stage 0);
-- a parameter returned from a forward is flagged ``is_external_param``.
+- a parameter returned from a forward is flagged ``is_external_param``; ``optimizer.leaf_parameters`` maps each leaf
+  module to its trainable parameters, whose gradients are right after a direct ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -231,3 +232,44 @@ def _external_flag() -> dict:
 def test_returned_parameter_is_flagged_external():
     assert run_distributed(_external_flag, world_size=2, timeout=60) == [
         {"before": False, "bias": True, "weight": False}] * 2
+
+
+class _Branches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.final = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.final(self.branches[0](x) + self.branches[1](x))
+
+
+def _leaf_parameters_run() -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad, set_z3_leaf_modules
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Branches()
+    reference = _Branches()
+    reference.load_state_dict(model.state_dict())
+    set_z3_leaf_modules(model, [torch.nn.ModuleList])
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    leaves = {type(m).__name__: len(ps) for m, ps in engine.optimizer.leaf_parameters.items()}
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    engine(x[2 * rank:2 * rank + 2]).pow(2).sum().backward()  # a direct backward through the leaf's hooks
+    got = [safe_get_full_grad(p).clone() for p in engine.module.parameters()]
+    for r in range(2):
+        (reference(x[2 * r:2 * r + 2]).pow(2).sum() / 2).backward()
+    engine.destroy()
+    return {"leaves": leaves, "got": got, "want": [p.grad for p in reference.parameters()]}
+
+
+def test_leaf_module_parameters_and_their_gradients():
+    for out in run_distributed(_leaf_parameters_run, world_size=2, timeout=60):
+        assert out["leaves"] == {"ModuleList": 4}  # one leaf module: both branches' weights and biases
+        for have, want in zip(out["got"], out["want"], strict=True):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)

@@ -92,7 +92,17 @@ def z3_leaf_module(model: torch.nn.Module) -> bool:
 
 
 def z3_leaf_parameter(param: Any) -> bool:
-    return bool(getattr(param, "ds_z3_leaf_module", False))
+    """Does ``param`` belong to a ZeRO-3 leaf module (``param.ds_z3_leaf_module``, set when the hooks go on)?"""
+    return getattr(param, "ds_z3_leaf_module", None) is not None
+
+
+def leaf_parameters(params: Iterable[torch.nn.Parameter]) -> dict[torch.nn.Module, list[torch.nn.Parameter]]:
+    """``params`` of leaf modules by their leaf module, in order (DeepSpeed's ``optimizer.leaf_parameters``)."""
+    found: dict[torch.nn.Module, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if z3_leaf_parameter(p):
+            found.setdefault(p.ds_z3_leaf_module, []).append(p)
+    return found
 
 
 def apply_leaf_config(model: torch.nn.Module, classes: Iterable[str] = (), names: Iterable[str] = (),

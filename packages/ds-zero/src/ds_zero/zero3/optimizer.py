@@ -37,6 +37,7 @@ from ds_zero.registry import register
 from ds_zero.stage_1_and_2 import ReduceSettings
 from ds_zero.swap.param_swapper import is_swapped
 from ds_zero.zero3._reduce_scatter import ReduceScatter
+from ds_zero.zero3.leaf import leaf_parameters
 from ds_zero.zero3.param import partition_copy
 from ds_zero.zero3.parameter_offload import DeepSpeedZeRoOffload
 from ds_zero.zero3.schedule import ParamScheduler
@@ -246,6 +247,7 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         self._swap_index = {id(self.groups[i]): i for i in self.swapped}
         self._muon = ZeroMuon.for_stage3(self)  # Muon groups: updates from full gradients (ds_zero.muon)
         self.home = {p: (gi, i) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
+        self.leaf_parameters = leaf_parameters(self.home)  # leaf module -> its trainable parameters (DeepSpeed's)
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         low = params[0].dtype if params else torch.float32
         comm_dtype = settings.reduce.comm_dtype or low

@@ -97,6 +97,8 @@ def build_units(root: torch.nn.Module, is_leaf: Callable[[str, torch.nn.Module],
     def walk(module: torch.nn.Module, name: str) -> None:
         if is_leaf(name, module):  # the model itself too (a tiny model under the granularity threshold)
             params = list(dict.fromkeys(module.parameters()))
+            for p in params:
+                p.ds_z3_leaf_module = module
             if params or module is root:
                 units.append(GatherUnit(module, name, params))
             return
