@@ -34,8 +34,21 @@ def _check_shards(shards: Any, who: str) -> int:
     return shards
 
 
-def _ready_params(compute_params: Iterable[Tensor] | None) -> list[Tensor]:
-    return [p for p in (compute_params or ()) if p.requires_grad]
+def _ready_params(compute_params: Iterable[Tensor] | None, module: Any = None) -> list[Tensor]:
+    """The trainable ``compute_params``, plus ``module``'s own when it is a Module (deduplicated, in order)."""
+    found: dict[int, Tensor] = {}
+    owned = module.parameters() if isinstance(module, torch.nn.Module) else ()
+    for p in (*(compute_params or ()), *owned):
+        if p.requires_grad:
+            found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def _anchor(params: list[Tensor]) -> Tensor:
+    """A throwaway leaf input that makes the node's output need a backward when any parameter trains (the
+    parameters themselves are not inputs: their gradients land through the recompute, and an input edge would
+    fire their post-accumulate hooks once more with no gradient)."""
+    return torch.empty(0, requires_grad=bool(params))
 
 
 def _mark(params: list[Tensor], last: bool) -> None:
@@ -59,17 +72,24 @@ class TiledMLP(torch.autograd.Function):
 
     ``TiledMLP.apply(fn, module, x, shards, compute_params)``; the output equals ``fn(module, x)``. The backward
     recomputes each tile on the flattened rows of ``x`` (``[-1, hidden]``), so a batch of several sequences tiles
-    the same way as one long one.
+    the same way as one long one. When any parameter (``compute_params`` and ``module``'s own) trains, the
+    output needs a backward even if ``x`` needs no gradient; parameter gradients land through the recompute.
     """
 
+    @classmethod
+    def apply(cls, fn: Callable, module: Any, x: Tensor, shards: int,  # type: ignore[override]
+              compute_params: Iterable[Tensor] | None = None) -> Tensor:
+        params = _ready_params(compute_params, module)
+        return super().apply(fn, module, x, shards, params, _anchor(params))
+
     @staticmethod
-    def forward(ctx: Any, fn: Callable, module: Any, x: Tensor, shards: int,
-                compute_params: Iterable[Tensor] | None = None) -> Tensor:
+    def forward(ctx: Any, fn: Callable, module: Any, x: Tensor, shards: int, params: list[Tensor],
+                _anchor: Tensor) -> Tensor:
         _check_shards(shards, "TiledMLP")
         if x.dim() < 2:
             raise ValueError(f"TiledMLP: x must be [..., seq, hidden], got shape {tuple(x.shape)}")
         ctx.fn, ctx.module, ctx.shards = fn, module, shards
-        ctx.params = _ready_params(compute_params)
+        ctx.params = params
         ctx.save_for_backward(x)
         with torch.no_grad():
             return torch.cat([fn(module, t) for t in torch.chunk(x, shards, dim=-2)], dim=-2)
@@ -92,7 +112,7 @@ class TiledMLP(torch.autograd.Function):
                 torch.autograd.backward(out, grads.narrow(0, start, length).reshape(out.shape))
             if x_grad is not None and leaf.grad is not None:
                 x_grad.narrow(0, start, length).copy_(leaf.grad)
-        return None, None, None if x_grad is None else x_grad.view_as(x), None, None
+        return None, None, None if x_grad is None else x_grad.view_as(x), None, None, None
 
 
 def sequence_tiled_compute(fn: Callable, seqlen: int, shards: int, kwargs_to_shard: dict[str, Tensor],
@@ -132,22 +152,34 @@ def _reduce(out: Tensor, reduction: str | None) -> Tensor:
 class SequenceTiledCompute(torch.autograd.Function):
     """The autograd function behind ``sequence_tiled_compute`` (positional arguments, as DeepSpeed's):
     ``apply(fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params,
-    output_unshard_dimension, output_reduction, *values_to_shard, *values_to_pass)``."""
+    output_unshard_dimension, output_reduction, *values_to_shard, *values_to_pass)``. As in TiledMLP, the
+    output needs a backward when ``compute_params`` or a Module in ``values_to_pass`` has a trainable parameter."""
+
+    @classmethod
+    def apply(cls, fn: Callable, seqlen: int, shards: int, keys_to_shard: list[str],  # type: ignore[override]
+              keys_to_pass: list[str], grad_key: str, compute_params: Iterable[Tensor] | None, out_dim: int,
+              reduction: str | None, *values: Any) -> Tensor:
+        params = _ready_params(compute_params)
+        for v in values:
+            params += [p for p in _ready_params(None, v) if all(p is not q for q in params)]
+        return super().apply(fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_key, params, out_dim, reduction,
+                             *values, _anchor(params))
 
     @staticmethod
     def forward(ctx: Any, fn: Callable, seqlen: int, shards: int, keys_to_shard: list[str], keys_to_pass: list[str],
-                grad_key: str, compute_params: Iterable[Tensor] | None, out_dim: int, reduction: str | None,
-                *values: Any) -> Tensor:
+                grad_key: str, params: list[Tensor], out_dim: int, reduction: str | None,
+                *values_and_anchor: Any) -> Tensor:
         _check_shards(shards, "SequenceTiledCompute")
         if reduction not in _REDUCTIONS:
             raise ValueError(f"SequenceTiledCompute: output_reduction must be None, 'mean' or 'sum', got {reduction!r}")
         n = len(keys_to_shard)
+        values = values_and_anchor[:-1]  # the last is the anchor
         ctx.fn, ctx.out_dim, ctx.reduction = fn, out_dim, reduction
         ctx.to_shard = dict(zip(keys_to_shard, values[:n], strict=True))
         ctx.to_pass = dict(zip(keys_to_pass, values[n:], strict=True))
-        ctx.grad_key, ctx.n_values = grad_key, len(values)
+        ctx.grad_key, ctx.n_inputs = grad_key, len(values_and_anchor)
         ctx.grad_index = list(ctx.to_shard).index(grad_key)
-        ctx.params = _ready_params(compute_params)
+        ctx.params = params
         ctx.bounds = _tile_bounds(seqlen, shards)
         with torch.no_grad():
             outs = [fn(**_tile(ctx, i), **ctx.to_pass) for i in range(len(ctx.bounds))]
@@ -181,7 +213,7 @@ class SequenceTiledCompute(torch.autograd.Function):
                 torch.autograd.backward(out, grad.reshape(out.shape))
             if target_grad is not None and leaf.grad is not None:
                 target_grad.narrow(1, start, length).copy_(leaf.grad)
-        values_grads: list[Any] = [None] * ctx.n_values
+        values_grads: list[Any] = [None] * ctx.n_inputs
         values_grads[ctx.grad_index] = target_grad
         return (None,) * 9 + tuple(values_grads)
 
@@ -200,19 +232,26 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     the result is the mean of per-tile losses: equal to the untiled mean loss when every tile holds the same number
     of counted targets; otherwise use "sum" of per-tile sums and divide by the count yourself (as DeepSpeed says).
     The backward recomputes one tile's logits at a time, so it is exact for any upstream gradient (a loss scale,
-    1/gradient_accumulation_steps).
+    1/gradient_accumulation_steps). DeepSpeed instead backpropagates inside the forward, which skips that
+    recompute but gives the parameters the gradient of an upstream 1 whatever the real one is.
     """
+
+    @classmethod
+    def apply(cls, fn: Callable, module: Any, x: Tensor, y: Tensor, mask: Tensor | None,  # type: ignore[override]
+              shards: int, compute_params: Iterable[Tensor] | None, output_reduction: str) -> Tensor:
+        params = _ready_params(compute_params, module)
+        return super().apply(fn, module, x, y, mask, shards, params, output_reduction, _anchor(params))
 
     @staticmethod
     def forward(ctx: Any, fn: Callable, module: Any, x: Tensor, y: Tensor, mask: Tensor | None, shards: int,
-                compute_params: Iterable[Tensor] | None, output_reduction: str) -> Tensor:
+                params: list[Tensor], output_reduction: str, _anchor: Tensor) -> Tensor:
         _check_shards(shards, "TiledFusedLogitsLoss")
         _check_loss_inputs(x, y, mask, output_reduction)
         bs, seq = x.shape[:2]
         rows = (x.reshape(bs * seq, *x.shape[2:]), y.reshape(bs * seq, *y.shape[2:]),
                 None if mask is None else mask.reshape(-1))
         ctx.fn, ctx.module, ctx.reduction = fn, module, output_reduction
-        ctx.params = _ready_params(compute_params)
+        ctx.params = params
         ctx.bounds = _tile_bounds(bs * seq, shards)
         ctx.rows, ctx.x_shape = rows, x.shape
         with torch.no_grad():
@@ -236,7 +275,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
                 torch.autograd.backward(loss, per_tile.to(loss.dtype))
             if x_grad is not None and leaf.grad is not None:
                 x_grad.narrow(0, start, length).copy_(leaf.grad)
-        return None, None, None if x_grad is None else x_grad.view(ctx.x_shape), None, None, None, None, None
+        x_grad = None if x_grad is None else x_grad.view(ctx.x_shape)
+        return None, None, x_grad, None, None, None, None, None, None
 
 
 def _check_loss_inputs(x: Tensor, y: Tensor, mask: Tensor | None, reduction: str) -> None:
