@@ -203,8 +203,9 @@ class _Model(torch.nn.Module):
 def test_engine_gradients_equal_untiled(stage: int) -> None:
     """Through deepspeed.initialize with ZeRO on 2 ranks (gradient accumulation 2, so the upstream gradient is
     1/2): the reduced gradients of the tiled model equal the untiled model's."""
-    import deepspeed
     import torch.distributed as dist
+
+    import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
