@@ -215,7 +215,9 @@ class Init:
 
     # ---- partitioning ------------------------------------------------------------------------------------
     def _partition_params(self, params: Iterable[torch.nn.Parameter]) -> None:
-        todo = [p for p in dict.fromkeys(params) if not is_partitioned(p)]
+        # a parameter on the meta device (torch.nn.utils.skip_init) has no values yet: it is partitioned once
+        # ``to_empty`` gave it storage (see _install)
+        todo = [p for p in dict.fromkeys(params) if not is_partitioned(p) and p.device.type != "meta"]
         if not todo:
             return
         space = self.space
@@ -276,6 +278,14 @@ class Init:
         self._original_apply = torch.nn.Module.apply
         if self.override_module_apply:
             torch.nn.Module.apply = _gathered_apply
+        self._original_to_empty = torch.nn.Module.to_empty
+        original_to_empty, init = self._original_to_empty, self
+
+        def to_empty(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            out = original_to_empty(module, *args, **kwargs)
+            init._current()._partition_module(out)  # skip_init's module: real storage now, uninitialized as asked
+            return out
+        torch.nn.Module.to_empty = to_empty
 
     def _uninstall(self) -> None:
         for handle in self._handles:
@@ -283,6 +293,7 @@ class Init:
         if self._previous_device is not None:
             torch.set_default_device(None if self._previous_device.type == "cpu" else self._previous_device)
         torch.nn.Module.apply = self._original_apply
+        torch.nn.Module.to_empty = self._original_to_empty
 
     def _current(self) -> Init:
         return _LOCAL.stack[-1]
