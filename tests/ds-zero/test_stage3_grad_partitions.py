@@ -1,6 +1,8 @@
 """``DeepSpeedZeroOptimizer_Stage3.get_fp32_grad_partitions()``: this rank's accumulated gradient partitions in
 fp32, ``[sub-group][index in it]``, equal to the slices of the data-parallel mean gradient over the accumulation
-window (zero padded at the end), with and without optimizer offload, cleared by ``zero_grad``."""
+window (zero padded at the end), with and without optimizer offload, cleared by ``zero_grad``; the same values
+through DeepSpeed's ``averaged_gradients`` (and ``fp16_groups`` lists the parameters), after the engine's
+``allreduce_gradients()`` (a no-op: backward reduced them)."""
 
 from __future__ import annotations
 
@@ -44,12 +46,15 @@ def _partitions(offload: bool, steps: int) -> dict:
     for step in range(steps):
         x = torch.full((2, 5), float(1 + dist.get_rank() + step))
         engine.backward(engine(x))
+        engine.allreduce_gradients()
     parts = engine.optimizer.get_fp32_grad_partitions()
     out = {gi: {k: t.clone() for k, t in group.items()} for gi, group in parts.items()}
+    averaged = {gi: [t.float().clone() for t in ts] for gi, ts in engine.optimizer.averaged_gradients.items()}
+    groups = [[tuple(p.ds_shape) for p in ps] for ps in engine.optimizer.fp16_groups]
     engine.optimizer.zero_grad()
     cleared = [float(t.abs().sum()) for t in engine.optimizer.get_fp32_grad_partitions()[0].values()]
     engine.destroy()
-    return {"parts": out, "cleared": cleared}
+    return {"parts": out, "cleared": cleared, "averaged": averaged, "groups": groups}
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -66,3 +71,6 @@ def test_grad_partitions_are_slices_of_the_mean_gradient(offload):
             assert have.dtype == torch.float32
             torch.testing.assert_close(have, padded[rank * part:(rank + 1) * part], rtol=1e-5, atol=1e-5)
         assert out["cleared"] == [0.0, 0.0, 0.0]
+        assert out["groups"] == [SHAPES]
+        for have, want in zip(out["averaged"][0], out["parts"][0].values(), strict=True):
+            assert torch.equal(have, want)

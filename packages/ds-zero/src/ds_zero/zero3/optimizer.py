@@ -560,6 +560,16 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         """DeepSpeed's name for each sub-group's flat fp32 master partition."""
         return [g.master for g in self.groups]
 
+    @property
+    def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
+        """DeepSpeed's name for the sub-groups' parameters (whatever their dtype)."""
+        return [g.params for g in self.groups]
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """DeepSpeed's view of the accumulated gradient partitions: ``[sub-group]`` -> one per parameter."""
+        return {i: [g.grad_slice(p) for p in g.params] for i, g in enumerate(self.groups) if g.grad.numel()}
+
     def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
         """This rank's accumulated gradient partitions in fp32, ``[sub-group][index in it]`` (DeepSpeed's)."""
         swapped = self.grads_materialized(self.swapped, write_back=False) if self.swapper is not None \

@@ -251,6 +251,11 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         if self._in_backward:
             self._end_of_backward()
 
+    def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
+        """DeepSpeed's explicit reduction call after backward: gradients are reduced by the backward itself here
+        (on each micro-step that syncs), so this only finishes a backward still open; ``bucket_size`` is unused."""
+        self._backward_epilogue()
+
     def _record_loss(self, loss: torch.Tensor) -> None:
         detached = loss.detach().float().reshape(())
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
