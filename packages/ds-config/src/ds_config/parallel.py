@@ -144,9 +144,11 @@ class ExpertParallelConfig(DSConfigModel):
     def _known_preset(cls, value: Any) -> Any:
         return _preset(AUTOEP_PRESETS, value)
 
-    @field_validator("load_balance_coeff")
+    @field_validator("load_balance_coeff", mode="before")
     @classmethod
-    def _unsupported(cls, value: float | None) -> float | None:
-        if value is not None:
-            raise ValueError("expert-bias load balancing is not supported by AutoEP yet; leave it null")
+    def _unsupported(cls, value: Any) -> None:
+        if value is not None:  # any value, 0 and False included, would ask for expert_bias routing
+            raise ValueError(f"load_balance_coeff={value!r} is not supported by AutoEP yet (it would register an "
+                             "expert_bias for auxiliary-loss-free load balancing); set load_balance_coeff to null or "
+                             "omit the key")
         return value

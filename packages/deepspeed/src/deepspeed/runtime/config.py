@@ -77,7 +77,8 @@ class DeepSpeedConfig:
         self._initialize_params(self.typed_config)
 
     def _initialize_params(self, typed: TypedDeepSpeedConfig) -> None:
-        for part in (_batch, _communication, _zero, _precision, _optimization, _logging, _checkpointing):
+        for part in (_batch, _communication, _zero, _precision, _optimization, _logging, _checkpointing,
+                     _expert_parallel):
             self.__dict__.update(part(typed))
 
     def _configure_train_batch_size(self) -> None:
@@ -261,6 +262,14 @@ def _checkpointing(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
             "checkpoint_config": {"tag_validation": mode, "checkpoint_serialization": ckpt.checkpoint_serialization,
                                   "writer": None if ckpt.writer is None else ckpt.writer.model_dump()},
             "nebula_config": typed.nebula, "weight_quantization_config": typed.weight_quantization}
+
+
+def _expert_parallel(typed: TypedDeepSpeedConfig) -> dict[str, Any]:
+    """DeepSpeed's ``expert_parallel_config``: the AutoEP section as an ``AutoEPConfig`` (which keys were given,
+    e.g. ``_load_balance_coeff_explicit``)."""
+    from ds_moe.autoep import as_autoep_config
+
+    return {"expert_parallel_config": as_autoep_config(typed.expert_parallel)}
 
 
 def get_gradient_clipping(param_dict: Mapping[str, Any]) -> float:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -130,19 +131,8 @@ class AutoEPCheckpointShards:
         """Stack this rank's experts (by global id) from the per-expert files into the fused weights."""
         mp = self.engine.mp_rank
         for layer_id, (name, layer) in enumerate(self.layers):
-            first = layer.ep_rank * layer.num_local_experts
-            rows: dict[str, list[torch.Tensor]] = {w: [] for w in EXPERT_WEIGHT_NAMES}
-            for e in range(first, first + layer.num_local_experts):
-                file = f"layer_{layer_id}_expert_{e}_mp_rank_{mp:02d}_model_states.pt"
-                saved = load(file)
-                for w in EXPERT_WEIGHT_NAMES:
-                    key = f"{_prefix(name)}.{w}.{e}"
-                    if not isinstance(saved, dict) or key not in saved:
-                        raise content_error(file, f"missing key {key!r}: not expert {e} of AutoEP layer {name!r} "
-                                            f"(saved with another model or num_experts?)")
-                    rows[w].append(saved[key])
-            for w in EXPERT_WEIGHT_NAMES:
-                weights[f"{_prefix(name)}.{w}"] = torch.stack(rows[w])
+            weights.update(stacked_experts(
+                layer, name, lambda e, i=layer_id: f"layer_{i}_expert_{e}_mp_rank_{mp:02d}_model_states.pt", load))
         return weights
 
     def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
@@ -166,3 +156,87 @@ class AutoEPCheckpointShards:
         if then != now:
             raise CheckpointError(f"{where}: saved AutoEP layers (expert prefix -> num_experts) {then} differ from "
                                   f"this model's {now}")
+
+
+def _torch_load(path: str, map_location: Any = None) -> Any:
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def load_moe_state_dict(checkpoint_path: str, tag: Any, state_dict: dict[str, Any], old_moe_load: bool,
+                        model: torch.nn.Module | None = None, mpu: Any = None, num_experts: Any = 1,
+                        checkpoint_engine: Any = None, autoep_layers: Any = None, folding_spec: Any = None,
+                        checkpoint_mp_rank: int | None = None) -> None:
+    """DeepSpeed's ``DeepSpeedEngine.load_moe_state_dict``: add this rank's experts from the per-expert files of
+    ``<checkpoint_path>/<tag>`` to ``state_dict`` (native MoE layers: renamed to their local ids; AutoEP layers:
+    stacked into the fused ``<prefix>.w1|w2|w3``). ``autoep_layers`` (the checkpoint's ``ds_autoep_layers``) is
+    checked first; ``old_moe_load``: the legacy ``layer_-1`` files, which AutoEP models cannot use."""
+    from ds_moe import groups
+    from ds_moe.layer import MoE
+
+    if folding_spec is not None:
+        raise ValueError("load_moe_state_dict: AutoEP+AutoTP folding (folding_spec) is not supported by this build")
+    if checkpoint_mp_rank is None:
+        checkpoint_mp_rank = 0 if mpu is None else mpu.get_model_parallel_rank()
+    read = checkpoint_engine.load if checkpoint_engine is not None else _torch_load
+    tag_dir = os.path.join(checkpoint_path, str(tag))
+
+    def name(layer_id: int, expert: int) -> str:
+        return os.path.join(tag_dir, f"layer_{layer_id}_expert_{expert}_mp_rank_{checkpoint_mp_rank:02d}"
+                                     "_model_states.pt")
+
+    has_autoep = model is not None and bool(autoep_layers_of_model(model))
+    if old_moe_load:
+        if has_autoep:
+            raise RuntimeError("Legacy checkpoint format (old_moe_load) is incompatible with AutoEP layers; convert "
+                               "the checkpoint with ds_to_universal first")
+        group = groups._get_max_expert_size_name()
+        total = max(num_experts) if isinstance(num_experts, (list, tuple)) else num_experts
+        local_count = total // groups._get_expert_parallel_world_size(group)
+        first = groups._get_expert_data_parallel_rank(group) * local_count  # DeepSpeed's legacy numbering
+        for local in range(local_count):
+            state_dict.update(_renamed(read(name(-1, first + local), map_location=torch.device("cpu")),
+                                       first + local, local))
+        return
+    if autoep_layers is not None:
+        validate_autoep_layers(autoep_layers, tag_dir)
+    if model is None:
+        return
+    layer_id = 0
+    for module_name, module in model.named_modules():
+        if isinstance(module, MoE):
+            first = groups._get_expert_parallel_rank(module.expert_group_name) * module.num_local_experts
+            for local in range(module.num_local_experts):
+                state_dict.update(_renamed(read(name(layer_id, first + local), map_location=torch.device("cpu")),
+                                           first + local, local))
+            layer_id += 1
+        elif type(module).__name__ == "AutoEPMoELayer":
+            state_dict.update(stacked_experts(module, module_name, lambda e, i=layer_id: name(i, e),
+                                              lambda path: read(path, map_location=torch.device("cpu"))))
+            layer_id += 1
+
+
+def stacked_experts(layer: Any, module_name: str, path_of: Callable[[int], str],
+                    load: Callable[[str], Any]) -> dict[str, torch.Tensor]:
+    """The fused ``<prefix>.w1|w2|w3`` of this rank's experts of ``layer``, stacked from the per-expert files
+    (``path_of(global expert id)``, read by ``load``)."""
+    first, prefix = layer.ep_rank * layer.num_local_experts, _prefix(module_name)
+    rows: dict[str, list[torch.Tensor]] = {w: [] for w in EXPERT_WEIGHT_NAMES}
+    for e in range(first, first + layer.num_local_experts):
+        path = path_of(e)
+        saved = load(path)
+        for w in EXPERT_WEIGHT_NAMES:
+            key = f"{prefix}.{w}.{e}"
+            if not isinstance(saved, dict) or key not in saved:
+                raise content_error(path, f"missing key {key!r}: not expert {e} of AutoEP layer {module_name!r} "
+                                    "(saved from another model or num_experts?)")
+            rows[w].append(saved[key])
+    return {f"{prefix}.{w}": torch.stack(rows[w]) for w in EXPERT_WEIGHT_NAMES}
+
+
+def autoep_layers_of_model(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__ == "AutoEPMoELayer"]
+
+
+def _renamed(expert_state: dict[str, Any], global_id: int, local_id: int) -> dict[str, Any]:
+    marker = ".deepspeed_moe.experts.deepspeed_experts."
+    return {key.replace(f"{marker}{global_id}", f"{marker}{local_id}"): value for key, value in expert_state.items()}

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from deepspeed.runtime.checkpointing.layout import model_states_name
+from deepspeed.runtime.engine._autoep_checkpoint import load_moe_state_dict
 from deepspeed.utils.logging import logger
 
 
@@ -61,6 +62,9 @@ class CheckpointNameMethods:
         except (FileNotFoundError, PermissionError) as e:
             logger.info(f"Warning: Could not change permissions for {dst} due to error: {e}. Continuing without "
                         "changing permissions.")
+
+    # DeepSpeed's static method: this rank's experts from the per-expert files (native MoE and AutoEP layers)
+    load_moe_state_dict = staticmethod(load_moe_state_dict)
 
     @staticmethod
     def _get_expert_ckpt_name(checkpoints_path: str, layer_id: int, expert_id: int, tag: Any, mpu: Any = None,
