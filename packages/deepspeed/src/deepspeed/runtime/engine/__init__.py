@@ -56,6 +56,11 @@ from deepspeed.utils.torch import is_functorch_transforming
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+class GradSyncContextError(RuntimeError, AssertionError):
+    """Misuse of ``no_sync`` / ``coalesce_grad_reduction`` (a step inside, one opened inside the other): DeepSpeed
+    asserts there, so code catching its ``AssertionError`` still catches this."""
+
+
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
                       CheckpointNameMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
@@ -303,6 +308,8 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
                                  f"stage {self.zero_optimization_stage()}; use coalesce_grad_reduction()")
         if not self._sync_enabled:
             raise AssertionError("no_sync context manager reentry is unsupported")
+        if getattr(self.reducer, "coalescing", False):
+            raise GradSyncContextError("no_sync context manager cannot open inside coalesce_grad_reduction()")
         self._sync_enabled = False
         try:
             yield
@@ -315,8 +322,11 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         if self.zero_optimization_stage() == 0:
             raise NotImplementedError("coalesce_grad_reduction is not supported with ZeRO stage 0 (as documented); "
                                       "use no_sync() to skip reductions")
+        if self.pipeline_parallelism:
+            raise NotImplementedError("coalesce_grad_reduction is not supported with pipeline parallelism: the "
+                                      "pipeline schedule runs the backward passes and their reductions itself")
         if not self._sync_enabled:
-            raise RuntimeError("coalesce_grad_reduction cannot be nested inside no_sync()")
+            raise GradSyncContextError("coalesce_grad_reduction cannot be nested inside no_sync()")
         coalesce = getattr(self.reducer, "coalesce", None)
         if coalesce is None:
             raise TypeError(f"the ZeRO stage {self.zero_optimization_stage()} reducer "
@@ -339,6 +349,14 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
                                "waiting; call it after engine.step() has taken the optimizer step")
         self._window_start = self.micro_steps
 
+    @property
+    def _is_gradient_accumulation_boundary(self) -> bool | None:  # DeepSpeed's attribute for the override
+        return self._boundary_override
+
+    @_is_gradient_accumulation_boundary.setter
+    def _is_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        self._boundary_override = is_boundary
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary (e.g. Accelerate's last micro batch); ``None`` restores the counter."""
         self._boundary_override = is_boundary
@@ -347,7 +365,9 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         """Count a micro-step; at the accumulation boundary update the weights and step the LR schedule."""
         self._require_optimizer("step")
         if getattr(self.reducer, "coalescing", False):
-            raise RuntimeError("engine.step() was called inside coalesce_grad_reduction(); step after the block ends")
+            raise GradSyncContextError("It is illegal to call Engine.step() inside no_sync context manager: "
+                                       "engine.step() was called inside coalesce_grad_reduction(); step after the "
+                                       "block ends")
         if not self._sync_enabled:  # DeepSpeed's wording: the gradients inside are local, not reduced
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         boundary = self.is_gradient_accumulation_boundary()
