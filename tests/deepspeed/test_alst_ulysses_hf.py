@@ -157,3 +157,57 @@ def test_dataloader_adapter_errors_reach_every_rank() -> None:
     next(uneven), next(uneven)  # the first refill: one batch from each rank
     with pytest.raises(RuntimeError, match=r"sequence-parallel ranks \[0\] ran out"):
         next(uneven)
+
+
+@distributed_test(world_size=[2])
+def test_disable_in_eval_attends_locally() -> None:
+    """disable_in_eval: a module in eval mode skips the exchange, so each rank runs the full sequence itself."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, 64, (BS, SEQ))
+    pos = torch.arange(SEQ).expand(BS, SEQ)
+    model = _tiny_llama(2).eval()
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos).logits
+        with _Registered(model, disable_in_eval=True):
+            got = model(input_ids=ids, position_ids=pos).logits
+            model.train()
+            sharded = model(input_ids=ids[:, :SEQ // 2], position_ids=pos[:, :SEQ // 2]).logits  # SP again
+    assert torch.equal(got, ref)
+    assert sharded.shape == (BS, SEQ // 2, 64)
+
+
+@distributed_test(world_size=[2])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_engine_sp_gradients_equal_data_parallel(stage: int) -> None:
+    """DeepSpeed's recipe end to end: deepspeed.initialize with the returned mpu, the adapter feeding the engine, the
+    loss divided by the group's counted tokens; the gradient equals a plain engine's on the whole batch."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from deepspeed.utils import groups, safe_get_full_grad
+    config = {"train_micro_batch_size_per_gpu": BS, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (BS, SEQ))
+    batch = {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(BS, SEQ), "labels": ids.clone()}
+    base = _tiny_llama(2)
+    sp_model = copy.deepcopy(base)
+    engine_a, *_ = deepspeed.initialize(model=base, config=config)
+    engine_a.backward(engine_a(**batch).loss)  # both ranks hold the same batch: the average is its gradient
+    want = {n: safe_get_full_grad(p).clone() for n, p in engine_a.module.named_parameters()}
+
+    with _Registered(sp_model, seq_length=SEQ, seq_length_is_variable=True) as mpu:
+        engine_b, *_ = deepspeed.initialize(model=sp_model, config=dict(config, sequence_parallel_size=2), mpu=mpu)
+        group = groups._get_sequence_parallel_group()
+        adapter = UlyssesSPDataLoaderAdapter([batch], groups._get_sequence_parallel_rank(), group,
+                                             groups._get_sequence_parallel_world_size(), "cpu")
+        micro = next(adapter)
+        shift = micro.pop("shift_labels")
+        logits = engine_b(**micro).logits
+        counted = (shift != -100).sum()
+        dist.all_reduce(counted, group=group)
+        # this rank's share of the mean loss: the engine sums sequence ranks' gradients, as DeepSpeed does (a
+        # loss made global with a differentiable all-gather, as in DeepSpeed's test, backpropagates P times it)
+        engine_b.backward(_loss_sum(logits, shift) / counted)
+        got = {n: safe_get_full_grad(p).clone() for n, p in engine_b.module.named_parameters()}
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, **TOL, msg=name)

@@ -85,14 +85,22 @@ def sequence_mpu(mpu: Any, sequence_parallel_size: int) -> Any:
             raise ConfigError(ConfigProblem("sequence_parallel_size", f"the model-parallel unit (mpu) in use has a "
                                             f"sequence-parallel size of {has}; accepted: {has} (or leave the key "
                                             "unset)", sequence_parallel_size))
+        if has > 1 and not hasattr(mpu, "get_data_parallel_group"):
+            # a sequence-only mpu (runtime.sequence_parallel.parallel_state_sp, which ALST's
+            # register_with_transformers returns): its groups are blocks of consecutive ranks, as ours
+            return _groups_of_size(has)
         return mpu
     if sequence_parallel_size > 1:
-        cached = _BUILT.get(sequence_parallel_size)
-        if cached is None or cached[0] is not dist.group.WORLD:  # groups of an earlier default group are gone
-            cached = (dist.group.WORLD, SequenceParallelGroups(sequence_parallel_size))
-            _BUILT[sequence_parallel_size] = cached
-        return cached[1]
+        return _groups_of_size(sequence_parallel_size)
     return None
+
+
+def _groups_of_size(sequence_parallel_size: int) -> SequenceParallelGroups:
+    cached = _BUILT.get(sequence_parallel_size)
+    if cached is None or cached[0] is not dist.group.WORLD:  # groups of an earlier default group are gone
+        cached = (dist.group.WORLD, SequenceParallelGroups(sequence_parallel_size))
+        _BUILT[sequence_parallel_size] = cached
+    return cached[1]
 
 
 def sequence_factor(reduce_group: Any, dp_group: Any, dp_world_size: int) -> int:
