@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "sequence_tiled_compute"]
+__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledLoss", "TiledMLP", "sequence_tiled_compute"]
 
 _REDUCTIONS = (None, "mean", "sum")
 
@@ -297,3 +297,52 @@ def _loss_args(module: Any, rows: tuple[Tensor, Tensor, Tensor | None], bounds: 
     start, length = bounds
     x, y, mask = (None if t is None else t.narrow(0, start, length) for t in rows)
     return (module, x, y) if mask is None else (module, x, y, mask)
+
+
+class TiledLoss(torch.autograd.Function):
+    """A Transformers-style mean loss over existing ``logits`` (``[bs, seq, vocab]``) computed ``shards`` tiles of the
+    sequence at a time, so the loss's float32 upcast and softmax exist for one tile only.
+
+    ``TiledLoss.apply(loss_fn, logits, vocab_size, shift_labels, shards)`` where ``loss_fn(logits=, labels=None,
+    vocab_size=, shift_labels=)`` is a model's ``loss_function`` (a mean over targets that are not -100). Tiles are
+    weighted by their counted targets, so the result equals the untiled mean; tiles with none are skipped, and with no
+    counted target at all the loss is 0 (with a zero gradient). DeepSpeed's backward divides by the number of tiles
+    instead, which disagrees with its own token-weighted forward when tiles hold different counts.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loss_fn: Callable, logits: Tensor, vocab_size: int, shift_labels: Tensor,
+                shards: int) -> Tensor:
+        _check_shards(shards, "TiledLoss")
+        if logits.shape[:2] != shift_labels.shape[:2]:
+            raise ValueError(f"TiledLoss: logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} "
+                             f"must agree on [batch_size, seq_len]")
+        bounds = _tile_bounds(logits.shape[1], shards)
+        counts = [int((shift_labels.narrow(1, s, n) != -100).sum()) for s, n in bounds]
+        ctx.loss_fn, ctx.vocab_size, ctx.bounds, ctx.counts = loss_fn, vocab_size, bounds, counts
+        ctx.save_for_backward(logits, shift_labels)
+        total = sum(counts)
+        loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+        with torch.no_grad():
+            for (start, length), count in zip(bounds, counts, strict=True):
+                if count:
+                    part = loss_fn(logits=logits.narrow(1, start, length), labels=None, vocab_size=vocab_size,
+                                   shift_labels=shift_labels.narrow(1, start, length))
+                    loss = loss + part.float() * (count / total)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        logits, shift_labels = ctx.saved_tensors
+        logits_grad = torch.zeros_like(logits)
+        total = sum(ctx.counts)
+        for (start, length), count in zip(ctx.bounds, ctx.counts, strict=True):
+            if not count:
+                continue
+            leaf = _leaf(logits.narrow(1, start, length), True)
+            with torch.enable_grad():
+                part = ctx.loss_fn(logits=leaf, labels=None, vocab_size=ctx.vocab_size,
+                                   shift_labels=shift_labels.narrow(1, start, length))
+            torch.autograd.backward(part, (grad_out * (count / total)).to(part.dtype))
+            logits_grad.narrow(1, start, length).copy_(leaf.grad)
+        return None, logits_grad, None, None, None
