@@ -12,7 +12,12 @@ import pytest
 import torch
 from _harness import distributed_test
 
-from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
+from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+    TiledFusedLogitsLoss,
+    TiledLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -221,3 +226,35 @@ def test_engine_gradients_equal_untiled(stage: int) -> None:
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], **PARAM_TOL, msg=name)
+
+
+def _hf_style_loss(logits: torch.Tensor, labels: None, vocab_size: int, shift_labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size).float(), shift_labels.reshape(-1),
+                                             ignore_index=-100)
+
+
+@pytest.mark.parametrize("upstream", [1.0, 0.5])
+def test_tiled_loss_equals_untiled_mean(upstream: float) -> None:
+    """Tiles hold different numbers of counted targets (one none at all): the token-weighted mean is the untiled
+    mean, in value and gradient."""
+    torch.manual_seed(6)
+    logits = torch.randn(2, 24, 40)
+    labels = torch.randint(0, 40, (2, 24))
+    labels[:, 6:12] = -100  # tile 2 of 4 counts nothing
+    labels[0, 0:3] = -100   # tile 1 counts fewer than the others
+    runs = []
+    for tiled in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        loss = (TiledLoss.apply(_hf_style_loss, leaf, 40, labels, 4) if tiled
+                else _hf_style_loss(leaf, None, 40, labels))
+        (loss * upstream).backward()
+        runs.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(runs[1][0], runs[0][0], **PARAM_TOL)
+    torch.testing.assert_close(runs[1][1], runs[0][1], **PARAM_TOL)
+
+
+def test_tiled_loss_with_nothing_counted_is_zero() -> None:
+    leaf = torch.randn(1, 8, 40, requires_grad=True)
+    loss = TiledLoss.apply(_hf_style_loss, leaf, 40, torch.full((1, 8), -100), 2)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(leaf.grad) == 0

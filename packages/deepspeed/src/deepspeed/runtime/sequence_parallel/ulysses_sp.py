@@ -20,6 +20,6 @@ from deepspeed.runtime.sequence_parallel.tiled_compute import (
 from deepspeed.runtime.sequence_parallel.ulysses_attention import UlyssesSPAttentionHF
 
 __all__ = [
-    "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter",
-    "sequence_tiled_compute",
+    "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledLoss", "TiledMLP", "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute",
 ]
