@@ -84,3 +84,26 @@ def _func_grad() -> tuple[torch.Tensor, torch.Tensor]:
 def test_torch_func_grad_through_the_engine_is_not_scaled():
     got, want = run_distributed(_func_grad, world_size=1, timeout=60)[0]
     torch.testing.assert_close(got, want)
+
+
+def _scale_non_scalar() -> list[str]:
+    import deepspeed
+
+    model = torch.nn.Linear(4, 3)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    out = engine(torch.randn(2, 4))
+    errors = []
+    for bad in (out, out.detach().sum(), 1.0):
+        with pytest.raises(AssertionError, match="scalar tensor") as info:  # as DeepSpeed; also a TypeError
+            engine.scale(bad)
+        assert isinstance(info.value, TypeError)
+        errors.append(str(info.value))
+    engine.destroy()
+    return errors
+
+
+def test_scale_rejects_what_is_not_a_scalar_loss():
+    errors = run_distributed(_scale_non_scalar, world_size=1, timeout=60)[0]
+    assert "Tensor(2, 3)" in errors[0] and "Tensor()" in errors[1] and "float" in errors[2]

@@ -61,6 +61,10 @@ class GradSyncContextError(RuntimeError, AssertionError):
     asserts there, so code catching its ``AssertionError`` still catches this."""
 
 
+class LossArgumentError(TypeError, AssertionError):
+    """``engine.scale(loss)`` given something other than a scalar loss with a graph: DeepSpeed asserts there."""
+
+
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
                       CheckpointNameMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
@@ -214,6 +218,11 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16 / torch_autocast fp16), for a manual ``.backward()``."""
         self._require_optimizer("scale")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise LossArgumentError(f"engine.scale(loss): loss must be a scalar tensor with grad_fn (the output of a "
+                                    f"forward pass); got {type(loss).__name__}"
+                                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. For a non-scalar "
+                                    "output call output.backward(grad) directly")
         self._scaled = True
         return self.optimizer.scale_loss(loss)
 
