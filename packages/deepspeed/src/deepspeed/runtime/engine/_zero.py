@@ -16,6 +16,7 @@ from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, los
 from deepspeed.runtime.engine._stages import StageInputs
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
+from ds_zero.utils import ZeRORuntimeException
 
 
 def _problem(key: str, why: str, value: Any) -> ConfigProblem:
@@ -96,6 +97,11 @@ def zero_settings(config: Any) -> Any:
                         pin_memory=bool(off.pin_memory) if offload else False)
 
 
+class ForcedCPUOptimizerError(ConfigError, ZeRORuntimeException):
+    """``zero_force_ds_cpu_optimizer`` refused a client optimizer: a config error, and DeepSpeed's
+    ``ZeRORuntimeException`` so code catching that still catches it."""
+
+
 def check_client_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any) -> None:
     """A client's optimizer with ``offload_optimizer`` (cpu or nvme) must be a DeepSpeed CPU optimizer unless
     ``zero_force_ds_cpu_optimizer`` is false. As in DeepSpeed, the config's own ``optimizer`` section is not
@@ -108,7 +114,7 @@ def check_client_offload_optimizer(optimizer: torch.optim.Optimizer, config: Any
         why = (f"offload_optimizer.device=cpu steps on the CPU, and {type(optimizer).__name__} is not a DeepSpeed "
                "CPU optimizer (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion); use one, let the config's "
                "'optimizer' section build it, or set zero_force_ds_cpu_optimizer to false")
-        raise ConfigError(ConfigProblem("zero_force_ds_cpu_optimizer", why, True))
+        raise ForcedCPUOptimizerError(ConfigProblem("zero_force_ds_cpu_optimizer", why, True))
 
 
 def moe_group_comms(optimizer: torch.optim.Optimizer, dp_world_size: int) -> dict[int, Any]:
