@@ -228,8 +228,8 @@ def _core_attention(config: Any, name: str) -> Any:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     configured = getattr(config, "_attn_implementation", None)
     if configured is not None and configured != name:
-        raise ValueError(f"register_with_transformers: core_attn_implementation={name!r} differs from the model "
-                         f"config's attn_implementation={configured!r}; set both to the same value so the "
+        raise ValueError(f"register_with_transformers: core_attn_implementation={name!r} does not match model "
+                         f"config attn_implementation={configured!r}; set both to the same value so the "
                          f"sequence-parallel wrapper sits on the attention the model calls")
     if name in ("eager", "paged|eager"):
         raise ValueError(f"register_with_transformers: core_attn_implementation={name!r} is not supported: it needs "
