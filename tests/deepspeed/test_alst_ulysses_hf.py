@@ -100,7 +100,8 @@ def test_sp_attention_errors() -> None:
             ALL_ATTENTION_FUNCTIONS["sdpa"](model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None)
         with pytest.raises(ValueError, match=r"expected query \(2, 4, 8, 8\)"):
             model(input_ids=torch.zeros(BS, 4, dtype=torch.long), position_ids=torch.arange(4).expand(BS, 4))
-    with pytest.raises(ValueError, match="core_attn_implementation='eager' does not match model config attn_implementation='sdpa'"):
+    mismatch = "core_attn_implementation='eager' does not match model config attn_implementation='sdpa'"
+    with pytest.raises(ValueError, match=mismatch):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         UlyssesSPAttentionHF.register_with_transformers(model, "eager", 2, BS)
 
