@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from packaging import version
 from torch import Tensor
 
 from deepspeed.sequence.layer import sequence_all_to_all
@@ -29,8 +28,13 @@ from deepspeed.utils.logging import logger
 
 __all__ = ["UlyssesSPAttentionHF"]
 
-_MIN_TRANSFORMERS = "4.51.3"
+_MIN_TRANSFORMERS = (4, 51, 3)
 _HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")  # e.g. kernels-community/flash-attn2
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string ("4.52.0.dev0" -> (4, 52, 0))."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -53,8 +57,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                  disable_in_eval: bool = False) -> None:
         super().__init__()
         have = importlib.metadata.version("transformers")
-        if version.parse(have) < version.parse(_MIN_TRANSFORMERS):
-            raise ValueError(f"UlyssesSPAttentionHF needs transformers>={_MIN_TRANSFORMERS}, found {have}")
+        if _release(have) < _MIN_TRANSFORMERS:
+            raise ValueError(f"UlyssesSPAttentionHF needs transformers>={'.'.join(map(str, _MIN_TRANSFORMERS))}, "
+                             f"found {have}")
         self.attn = attn
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
