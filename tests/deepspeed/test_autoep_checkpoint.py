@@ -148,3 +148,32 @@ def test_bad_metadata_and_fragments_are_named(tmp_path):
     torch.save(torch.zeros(3), bad)
     with pytest.raises(AutoEPCheckpointError, match="Missing AutoEP fp32 fragments for m.experts.w1, EP rank 1"):
         consolidate_autoep_zero12_expert_states(temp, str(tmp_path / "o"), meta, {name: (1, 3)}, 2, 1, False)
+
+
+def _bad_files(save_dir: str) -> dict:
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    engine = _engine(1, 2)
+    _steps(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    convert(["--input_folder", os.path.join(save_dir, "t"), "--output_folder", os.path.join(save_dir, "u")])
+    errors = {}
+    expert = os.path.join(save_dir, "u", "zero", "model.layers.0.mlp.experts.w1", "fp32.pt")
+    saved = torch.load(expert, weights_only=False)
+    torch.save({**saved, "param": saved["param"][:3], "ep_num_experts": 3}, expert)  # one expert short
+    try:
+        _engine(1, 2, universal=True).load_checkpoint(save_dir, tag="u")
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        errors["universal"] = str(exc)
+    os.remove(os.path.join(save_dir, "t", "layer_1_expert_2_mp_rank_00_model_states.pt"))
+    try:
+        _engine(1, 2).load_checkpoint(save_dir, tag="t")
+    except Exception as exc:  # noqa: BLE001
+        errors["plain"] = str(exc)
+    return errors
+
+
+def test_bad_expert_files_are_named_on_load(tmp_path):
+    (errors,) = run_distributed(_bad_files, world_size=1, args=(str(tmp_path),), timeout=120)
+    assert "model.layers.0.mlp.experts.w1" in errors["universal"] and "fp32.pt" in errors["universal"]
+    assert "layer_1_expert_2_mp_rank_00_model_states.pt" in errors["plain"]
