@@ -177,3 +177,23 @@ def test_bad_expert_files_are_named_on_load(tmp_path):
     (errors,) = run_distributed(_bad_files, world_size=1, args=(str(tmp_path),), timeout=120)
     assert "model.layers.0.mlp.experts.w1" in errors["universal"] and "fp32.pt" in errors["universal"]
     assert "layer_1_expert_2_mp_rank_00_model_states.pt" in errors["plain"]
+
+
+def _stage0(save_dir: str) -> tuple:
+    engine = _engine(2, 0)
+    _steps(engine, 0, BEFORE)
+    engine.save_checkpoint(save_dir, tag="s0")
+    reference = _steps(engine, BEFORE, AFTER)
+    same = _engine(2, 0)
+    same.load_checkpoint(save_dir, tag="s0")
+    whole = _engine(1, 0)  # every expert on each rank: the weights from all per-expert files
+    whole.load_checkpoint(save_dir, tag="s0", load_optimizer_states=False)
+    w2 = whole.module.model.layers[1].mlp.experts.w2.detach()
+    saved = torch.load(os.path.join(save_dir, "s0", "layer_1_expert_3_mp_rank_00_model_states.pt"))
+    return reference, _steps(same, BEFORE, AFTER), torch.equal(w2[3], saved["model.layers.1.mlp.experts.w2.3"])
+
+
+def test_stage0_resumes_at_the_same_size_and_loads_weights_at_another(tmp_path):
+    for reference, resumed, expert_equal in run_distributed(_stage0, world_size=2, args=(str(tmp_path),),
+                                                            timeout=200):
+        assert resumed == reference and expert_equal

@@ -131,6 +131,8 @@ class AutoEPCheckpointShards:
         """Stack this rank's experts (by global id) from the per-expert files into the fused weights."""
         mp = self.engine.mp_rank
         for layer_id, (name, layer) in enumerate(self.layers):
+            if all(f"{_prefix(name)}.{w}" in weights for w in EXPERT_WEIGHT_NAMES):
+                continue  # saved with the fused weights in the model states (same autoep_size only)
             weights.update(stacked_experts(
                 layer, name, lambda e, i=layer_id: f"layer_{i}_expert_{e}_mp_rank_{mp:02d}_model_states.pt", load))
         return weights
