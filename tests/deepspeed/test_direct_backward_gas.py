@@ -107,3 +107,22 @@ def _scale_non_scalar() -> list[str]:
 def test_scale_rejects_what_is_not_a_scalar_loss():
     errors = run_distributed(_scale_non_scalar, world_size=1, timeout=60)[0]
     assert "Tensor(2, 3)" in errors[0] and "Tensor()" in errors[1] and "float" in errors[2]
+
+
+def _needs_scaler(precision: str) -> bool:
+    import deepspeed
+
+    model = torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    needs = engine.optimizer.needs_scaler()
+    engine.destroy()
+    return needs
+
+
+@pytest.mark.parametrize(("precision", "needs"), [("fp16", True), ("bf16", False), ("fp32", False)])
+def test_needs_scaler_only_with_fp16(precision, needs):
+    assert run_distributed(_needs_scaler, world_size=1, args=(precision,), timeout=60) == [needs]

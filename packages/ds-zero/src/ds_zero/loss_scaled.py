@@ -28,6 +28,10 @@ class LossScaledWrapper:
         """True when gradients must come from a scaled loss (fp16)."""
         return self.loss_scaler is not None
 
+    def needs_scaler(self) -> bool:
+        """DeepSpeed's question before a manual backward: must the loss go through ``engine.scale`` (fp16)?"""
+        return self.scales_loss
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
