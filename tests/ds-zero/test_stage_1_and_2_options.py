@@ -109,7 +109,7 @@ def test_reduce_and_gather_options_match_reference(stage, option):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_all_options_together_on_four_ranks(stage):
     zero = {"stage": stage, "overlap_comm": True, "use_multi_rank_bucket_allreduce": False, "reduce_bucket_size": 25,
-            "allgather_partitions": False, "allgather_bucket_size": 7, "round_robin_gradients": True,
+            "allgather_partitions": False, "allgather_bucket_size": 6, "round_robin_gradients": True,
             "contiguous_gradients": False}
     got = train(zero_config(zero, gradient_clipping=common.CLIP), 4, gas=3, steps=10)
     ref = reference_run({"batch": 24, "steps": 10}, clip=common.CLIP)

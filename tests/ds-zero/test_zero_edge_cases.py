@@ -325,8 +325,8 @@ def test_odd_world_sizes_match_stage0(zero, world):
 
 
 @pytest.mark.parametrize("zero", [
-    {"stage": 1, "allgather_partitions": False, "allgather_bucket_size": 7, "reduce_scatter": False},
-    {"stage": 2, "allgather_bucket_size": 7, "reduce_bucket_size": 30, "use_multi_rank_bucket_allreduce": False}],
+    {"stage": 1, "allgather_partitions": False, "allgather_bucket_size": 6, "reduce_scatter": False},
+    {"stage": 2, "allgather_bucket_size": 6, "reduce_bucket_size": 30, "use_multi_rank_bucket_allreduce": False}],
     ids=["s1_broadcast_allreduce", "s2_chunked_gather_per_owner_reduce"])
 def test_three_ranks_with_small_chunks_match_stage0(zero):
     assert_like_stage0(zero, {"gas": 2, "steps": 3, "side": "rank0"}, world=3, gradient_clipping=0.5)

@@ -36,7 +36,8 @@ from ds_zero.stage_1_and_2 import (
     model_to_params,
 )
 
-__all__ = ["DeepSpeedZeroOptimizer", "GroupComm", "IPGBucket", "ReduceSettings", "ZeroSettings",
+__all__ = ["AllgatherBucketSizeError", "DeepSpeedZeroOptimizer", "GroupComm", "IPGBucket", "ReduceSettings",
+           "ZeroSettings",
            "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "get_accelerator", "model_to_params"]
 
@@ -66,6 +67,21 @@ class IPGBucket:
         self.copy_streams.clear()
 
 
+class AllgatherBucketSizeError(ValueError, AssertionError):
+    """``zero_optimization.allgather_bucket_size`` is not a multiple of ``nccl_start_alignment_factor``: a
+    ``ValueError`` naming the key, and the ``AssertionError`` DeepSpeed's optimizer raises for it."""
+
+
+def _check_allgather_bucket(settings: ZeroSettings, factor: int) -> None:
+    # gathered chunks start at multiples of the bucket size: an odd one would start a 16-bit chunk mid-word
+    size = settings.allgather_bucket_numel
+    if size % factor:
+        raise AllgatherBucketSizeError(
+            f"zero_optimization.allgather_bucket_size: allgather_bucket_size must be a multiple of "
+            f"nccl_start_alignment_factor ({factor}: the 16-bit elements in the 4 bytes collectives align "
+            f"buffers to); got {size}")
+
+
 def _on_stream(optimizer: Any) -> bool:
     """Whether reduced buffers must be recorded on the reduction stream (see the module docstring)."""
     return optimizer.overlap_comm and not get_accelerator().resolves_data_dependency()
@@ -74,8 +90,12 @@ def _on_stream(optimizer: Any) -> bool:
 class DeepSpeedZeroOptimizer(_zero.DeepSpeedZeroOptimizer):
     """ZeRO stage 1/2 optimizer (see ds-zero's class) with DeepSpeed's bucket-reduction methods."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    nccl_start_alignment_factor = 2  # DeepSpeed's name: partitions start on 4 bytes of 16-bit elements
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                 names: dict[torch.nn.Parameter, str], settings: ZeroSettings, *args: Any, **kwargs: Any) -> None:
+        _check_allgather_bucket(settings, self.nccl_start_alignment_factor)
+        super().__init__(init_optimizer, params, names, settings, *args, **kwargs)
         r = self.settings.reduce
         self.overlap_comm = r.overlap_comm
         self.reduce_scatter = r.reduce_scatter
@@ -90,6 +110,17 @@ class DeepSpeedZeroOptimizer(_zero.DeepSpeedZeroOptimizer):
         self.ipg_buckets: dict[torch.dtype, IPGBucket] = {}
         accel = get_accelerator()
         self.reduction_stream = None if accel.is_synchronized_device() else accel.Stream()
+
+    @property
+    def parallel_partitioned_bit16_groups(self) -> list[list[torch.Tensor]]:
+        """DeepSpeed's name, per parameter group: every data-parallel rank's partition of the flat 16-bit weights
+        (views of ``bit16_groups_flat``, each starting a multiple of ``2 * nccl_start_alignment_factor`` bytes
+        into it, as the flat layout pads to ``nccl_start_alignment_factor * world_size`` elements)."""
+        out = []
+        for fg in self.groups:
+            ranges = [fg.layout.partition_range(r) for r in range(fg.layout.world_size)]
+            out.append([fg.lp_flat[start:end] for start, end in ranges])
+        return out
 
     @staticmethod
     def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
