@@ -214,14 +214,26 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
 
     @property
     def accumulated_grads_in_cpu(self) -> dict[int, torch.Tensor]:
-        """DeepSpeed's name (with CPU offload only) for the per-parameter gradient accumulators held in CPU memory
-        between micro-steps, keyed by the parameter's index over ``bit16_groups``. Gradients accumulate in the
-        gradient partitions; the only per-parameter accumulators are stage 1's fp32 ones (fp32 accumulation of
-        low-precision gradients), alive from a parameter's first backward to ``zero_grad``."""
+        """DeepSpeed's name (with CPU offload only) for the gradients accumulated over this window's micro-steps,
+        keyed by the parameter's index over ``bit16_groups``. Stage 2: the averaged gradient of each parameter this
+        rank's partition holds (its owned piece, flattened), read from the gradient partition, where the
+        micro-steps accumulate: views when the partition is in CPU memory, else CPU copies (the partition lives
+        beside the model; it is not copied to the host and back each micro-step), from the first backward on
+        (DeepSpeed fills its buffers only when a window holds more than one backward). Stage 1: the fp32 accumulators
+        of low-precision gradients (``data_types.grad_accum_dtype`` fp32) held in CPU memory, alive from a
+        parameter's first backward to ``zero_grad``."""
         if self.settings.offload_device != "cpu":
             raise AttributeError("accumulated_grads_in_cpu exists with offload_optimizer.device = cpu only")
         index = {p: i for i, p in enumerate(p for params in self.bit16_groups for p in params)}
-        return {index[p]: acc for p, acc in self._acc.items() if acc.device.type == "cpu"}
+        if self.settings.stage == 1:
+            return {index[p]: acc for p, acc in self._acc.items() if acc.device.type == "cpu"}
+        out: dict[int, torch.Tensor] = {}
+        for fg in self.groups:
+            partition = fg.grad_partition
+            for frag in fg.own:
+                piece = partition.narrow(0, frag.partition_offset, frag.numel)
+                out[index[fg.params[frag.index]]] = piece if piece.device.type == "cpu" else piece.to("cpu")
+        return out
 
     @property
     def partition_gradients(self) -> bool:
