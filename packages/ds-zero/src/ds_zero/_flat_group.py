@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ds_zero.host_pinning import TORCH_PINNING, PinnedBuffers
 from ds_zero.partition import FlatLayout, Fragment, round_robin_order
 
 
@@ -83,7 +84,8 @@ class FlatGroup:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int, rank: int,
                  grad_dtype: torch.dtype, master_device: torch.device, round_robin: bool = False,
-                 pin_memory: bool = False, persistent_grads: bool = True) -> None:
+                 pin_memory: bool = False, persistent_grads: bool = True,
+                 pinned: PinnedBuffers | None = None) -> None:
         if round_robin:
             order = round_robin_order([p.numel() for p in params], world_size)
             params, names = [params[i] for i in order], [names[i] for i in order]
@@ -100,8 +102,8 @@ class FlatGroup:
         start, end = self.layout.partition_range(rank)
         self.lp_partition = self.lp_flat[start:end]
         master = self.lp_partition.detach().to(master_device, torch.float32, copy=True)
-        if pin_memory and master_device.type == "cpu" and torch.cuda.is_available():
-            master = master.pin_memory()
+        if pin_memory:  # ``pinned``: the owner's record of its pinned buffers, which it frees at destroy()
+            master = (pinned if pinned is not None else PinnedBuffers(TORCH_PINNING)).pin(master)
         self.master = torch.nn.Parameter(master)
         self.grad_dtype, self.grad_device = grad_dtype, device
         self.persistent_grads = persistent_grads

@@ -45,6 +45,7 @@ from ds_zero.estimate import (  # DeepSpeed's module path for the ZeRO-2 estimat
 from ds_zero.estimate import zero2_model_to_params as model_to_params
 from ds_zero.gather import gather_method, gather_partitions
 from ds_zero.grad_norm import LOCAL, NormScope, counts_in_norm, partition_runs, partitioned_norm
+from ds_zero.host_pinning import TORCH_PINNING, HostPinning, PinnedBuffers
 from ds_zero.loss_scaled import LossScaledWrapper
 from ds_zero.muon import ZeroMuon
 from ds_zero.optimizer_state import load_partitioned_state, partitioned_state_dict, universal_checkpoint_info_of
@@ -79,6 +80,7 @@ class ZeroSettings:
     fp32_grad_accum: bool = False
     offload_device: str | None = None
     pin_memory: bool = False
+    host_pinning: HostPinning = TORCH_PINNING  # how pin_memory pins (ds_zero.host_pinning)
 
 
 def is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -113,6 +115,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self.global_grad_norm: float | None = None
         self.overflow = False
         self._cpu_adam = settings.offload_device == "cpu" and is_ds_cpu_optimizer(init_optimizer)
+        self._pinned = PinnedBuffers(settings.host_pinning)  # offloaded masters, freed by destroy()
         self.groups = self._build_groups(names, self._check_group_comms(group_comms or {}))
         self.home = param_homes(self.groups)
         self._norm_runs = [self._partition_norm_runs(fg) for fg in self.groups]
@@ -126,6 +129,11 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
         self._enable_universal_checkpoint()
         register(self, list(self.home))
 
+
+    def destroy(self) -> None:
+        """Free the host buffers pinned for CPU offload now rather than when collected (``engine.destroy()``
+        calls it, as DeepSpeed's does); the optimizer must not step afterwards."""
+        self._pinned.release()
 
     @property
     def _global_grad_norm(self) -> float | None:  # DeepSpeed's name for the last step's norm
@@ -180,7 +188,7 @@ class DeepSpeedZeroOptimizer(LossScaledWrapper):
                                                                               torch.device("cpu"))
             fg = FlatGroup(params, [names[p] for p in params], world, rank, grad_dtype, device,
                            round_robin=s.round_robin_gradients, pin_memory=s.pin_memory,
-                           persistent_grads=s.stage >= 2)
+                           persistent_grads=s.stage >= 2, pinned=self._pinned)
             fg.process_group, fg.grad_divisor = process_group, divisor
             logger.info(f"Flattening param group {index} on " + (f"{fg.lp_flat.device.type} (sufficient memory)"
                         if fg.flattened_on_device else "CPU (insufficient memory)"))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ds_zero.collectives import TORCH, Collectives
 from ds_zero.grad_norm import partitioned_norm
+from ds_zero.host_pinning import TORCH_PINNING, HostPinning, PinnedBuffers
 from ds_zero.loss_scaled import LossScaledWrapper
 from ds_zero.muon import ZeroMuon
 from ds_zero.partition import Fragment
@@ -53,6 +54,7 @@ class Zero3Settings:
     fp32_grad_accum: bool = False
     offload_optimizer: bool = False
     pin_memory: bool = False
+    host_pinning: HostPinning = TORCH_PINNING  # how pin_memory pins (ds_zero.host_pinning)
     load_from_fp32_weights: bool = True
     sub_group_size: int = 1_000_000_000
     optimizer_swap: Any = None  # ds_zero.swap.OptimizerSwapSettings: offload_optimizer.device nvme
@@ -81,7 +83,8 @@ class Z3Group:
     """One optimizer parameter group's partitions; ``params`` and ``names`` in flat order."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], grad_dtype: torch.dtype,
-                 master_device: torch.device, pin_memory: bool, master_on_nvme: bool = False) -> None:
+                 master_device: torch.device, pin_memory: bool, master_on_nvme: bool = False,
+                 pinned: PinnedBuffers | None = None) -> None:
         self.params, self.names = params, names
         self.offsets, total = [], 0
         for p in params:
@@ -103,8 +106,8 @@ class Z3Group:
             master = self.lp_flat.detach()
         else:
             master = self.initial_master().to(master_device)
-            if pin_memory and master.device.type == "cpu" and torch.cuda.is_available():
-                master = master.pin_memory()
+            if pin_memory:  # ``pinned``: the owner's record of its pinned buffers, which it frees at destroy()
+                master = (pinned if pinned is not None else PinnedBuffers(TORCH_PINNING)).pin(master)
         self.master = torch.nn.Parameter(master)
         self.grad_dtype, self.grad_device = grad_dtype, device
         # ZeRO-Infinity: a swapped sub-group's gradient goes to NVMe as it arrives; per parameter, whether it has
@@ -238,6 +241,7 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         self._cpu_adam = settings.offload_optimizer and is_ds_cpu_optimizer(init_optimizer)
         self.swapper: Any = None  # ZeRO-Infinity's OptimizerSwapper; ``swapped``: the sub-groups it holds
         self.swapped: list[int] = []
+        self._pinned = PinnedBuffers(settings.host_pinning)  # offloaded masters, freed by destroy()
         self.groups = self._build_groups(names)
         if self.swapper is not None:
             self.swapper.init_masters((i, self.groups[i].initial_master) for i in self.swapped)
@@ -255,6 +259,11 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                                      self.rank, comm_dtype, scheduler.end_pass)
         scheduler.ends_with_backward = True
         register(self, [p for g in self.groups for p in g.params])
+
+    def destroy(self) -> None:
+        """Free the host buffers pinned for CPU offload now rather than when collected (``engine.destroy()``
+        calls it, as DeepSpeed's does); the optimizer must not step afterwards."""
+        self._pinned.release()
 
     def quantize_nontrainable_params(self) -> int:
         """DeepSpeed's call after freezing parameters (ZeRO++ ``zero_quantized_nontrainable_weights``)."""
@@ -284,7 +293,7 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
                 device = torch.device("cpu")
             master_device = torch.device("cpu") if s.offload_optimizer or s.optimizer_swap else device
             zg = Z3Group(chunk, [names[p] for p in chunk], grad_dtype, master_device, s.pin_memory,
-                         master_on_nvme=i in self.swapped)
+                         master_on_nvme=i in self.swapped, pinned=self._pinned)
             masters[gi].append(zg.master)
             groups.append(zg)
         for group, ms in zip(self.optimizer.param_groups, masters, strict=True):

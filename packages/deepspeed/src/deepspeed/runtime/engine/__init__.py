@@ -539,8 +539,12 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         return getattr(self, "_is_compiled", False)
 
     def destroy(self) -> None:
-        """Remove the gradient hooks and close the monitors (the engine must not be used afterwards)."""
+        """Remove the gradient hooks, close the monitors and free the optimizer's pinned host buffers (the
+        engine must not be used afterwards)."""
         self._release("destroy() was called")
+        release_buffers = getattr(self.optimizer, "destroy", None)  # the ZeRO optimizers' (DeepSpeed's name)
+        if callable(release_buffers):
+            release_buffers()
 
     def _release(self, why: str) -> None:
         if self.zero3_scheduler is not None:

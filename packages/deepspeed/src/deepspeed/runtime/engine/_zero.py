@@ -62,6 +62,20 @@ def zero_plus_plus_problems(zero: Any, why: str) -> list[ConfigProblem]:
     return problems
 
 
+def offload_pinning(pin_memory: bool) -> Any:
+    """How ZeRO pins its CPU-offload buffers: through the accelerator under ``DS_PIN_MEMORY_BACKEND=native``
+    (page-locked on every device, registered with the native manager, freed by ``engine.destroy()``), else
+    ds-zero's default (torch pinning where CUDA is available), as before the native backend existed."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils.pin_memory import get_active_native_pinned_memory
+    from ds_zero.host_pinning import TORCH_PINNING, HostPinning
+
+    if not pin_memory or get_active_native_pinned_memory() is None:
+        return TORCH_PINNING
+    accelerator = get_accelerator()
+    return HostPinning(pin=accelerator.pin_memory, unpin=accelerator.unpin_memory)
+
+
 def zero_settings(config: Any) -> Any:
     """The ds-zero settings of a ZeRO stage 1/2 config (raises ``ConfigError`` listing every unsupported option)."""
     from ds_zero.stage_1_and_2 import ReduceSettings, ZeroSettings
@@ -76,6 +90,7 @@ def zero_settings(config: Any) -> Any:
         raise ConfigError(*problems)
     off = zero.offload_optimizer
     offload = "cpu" if off is not None and str(off.device).endswith("cpu") else None
+    pin = bool(off.pin_memory) if offload else False
     reduce = ReduceSettings(
         bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
         contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
@@ -94,7 +109,7 @@ def zero_settings(config: Any) -> Any:
                         clip=float(config.gradient_clipping), check_overflow=bool(check),
                         fp32_grad_accum=grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
                         offload_device=offload,
-                        pin_memory=bool(off.pin_memory) if offload else False)
+                        pin_memory=pin, host_pinning=offload_pinning(pin))
 
 
 class ForcedCPUOptimizerError(ConfigError, ZeRORuntimeException):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from deepspeed import comm
 from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, loss_scaler
 from deepspeed.runtime.engine._stages import StageInputs
-from deepspeed.runtime.engine._zero import zero_plus_plus_problems
+from deepspeed.runtime.engine._zero import offload_pinning, zero_plus_plus_problems
 from deepspeed.runtime.optimizer_wrapper import GradientReducer, OptimizerWrapper
 from ds_config import ConfigError, ConfigProblem
 
@@ -170,6 +170,7 @@ def zero3_settings(config: Any) -> Any:
     zero = config.zero_optimization
     off = zero.offload_optimizer
     offload = off is not None and str(off.device).endswith(("cpu", "nvme"))  # nvme: steps on the CPU too
+    pin = bool(off.pin_memory) if offload else False
     reduce = ReduceSettings(
         bucket_numel=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
         contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
@@ -181,7 +182,7 @@ def zero3_settings(config: Any) -> Any:
              or loss_scaler(config) is not None)
     return Zero3Settings(reduce=reduce, clip=float(config.gradient_clipping), check_overflow=bool(check),
                          fp32_grad_accum=grad_accum_fp32(config) and config.precision in ("fp16", "bf16"),
-                         offload_optimizer=offload, pin_memory=bool(off.pin_memory) if offload else False,
+                         offload_optimizer=offload, pin_memory=pin, host_pinning=offload_pinning(pin),
                          load_from_fp32_weights=bool(zero.load_from_fp32_weights),
                          sub_group_size=int(zero.sub_group_size),
                          optimizer_swap=optimizer_swap_settings(off, config.aio))
