@@ -123,6 +123,21 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
                 _nbytes(output_tensor), group, prof, log_name)
 
 
+def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                      async_op: bool = False, prof: bool = False, debug: str | None = None):
+    """Reduce-scatter of a flat ``tensor`` (``world`` equal chunks) into ``output_tensor`` (one chunk): the flat
+    collective where torch has it, else the list form over the chunks (DeepSpeed's entry point for ZeRO-3's
+    gradient reduction; ``debug``, DeepSpeed's caller label, is accepted and unused: failures name the caller)."""
+    if dist.is_available() and (hasattr(dist, "reduce_scatter_tensor") or hasattr(dist, "reduce_scatter_single")):
+        return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof)
+    world = dist.get_world_size(group)
+    if tensor.numel() != world * output_tensor.numel():
+        raise ValueError(f"reduce_scatter_fn: tensor has {tensor.numel()} elements; it must hold world size "
+                         f"({world}) x output_tensor's {output_tensor.numel()}")
+    return reduce_scatter(output_tensor, list(torch.chunk(tensor.reshape(-1), world)), op=op, group=group,
+                          async_op=async_op, prof=prof)
+
+
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=ReduceOp.SUM, group=None,
                    async_op: bool = False, prof: bool = False, log_name: str = "reduce_scatter"):
     return _run("reduce_scatter", lambda: dist.reduce_scatter(output, input_list, op, group, async_op),

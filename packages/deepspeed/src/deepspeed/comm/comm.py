@@ -34,6 +34,7 @@ from deepspeed.comm._collectives import (
     recv,
     reduce,
     reduce_scatter,
+    reduce_scatter_fn,
     reduce_scatter_tensor,
     scatter,
     send,
@@ -73,7 +74,8 @@ __all__ = [
     "get_world_group", "get_world_size", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",
     "inference_all_reduce", "init_distributed", "initialize_mesh_device", "irecv", "is_available",
     "is_initialized", "isend",
-    "log_summary", "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "log_summary", "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_fn",
+    "reduce_scatter_tensor",
     "scatter", "send",
 ]
 

@@ -71,6 +71,7 @@ class ReduceScatter:
         self.in_flight: collections.deque[_Bucket] = collections.deque()
         self.p2p = world > 1 and dist.get_backend(group) == "gloo" and world <= P2P_MAX_WORLD
         self.coalescing = False
+        self.micro_steps = 0  # reductions into the partitions since the window began (DeepSpeed's micro_step_id)
         # freed bucket and receive buffers, reused by the next bucket: a fresh tensor per bucket and step costs its
         # allocation and, on the CPU, the first-touch page faults of every byte (15 ms of an MLP step)
         self._pool: list[torch.Tensor] = []
@@ -126,22 +127,36 @@ class ReduceScatter:
                 self.next_to_send += 1
             while self.in_flight:
                 self._complete(self.in_flight.popleft())
-            self.reset()
+            self._rewind()
+            self.micro_steps += 1
         self.end_pass()
 
     def reset(self) -> None:
+        """A new accumulation window (the optimizer's ``zero_grad``): the next reduction is micro-step 0."""
+        self._rewind()
+        self.micro_steps = 0
+
+    def _rewind(self) -> None:
         self.next_to_send = 0
         for bucket in self.buckets:
             bucket.ready.clear()
 
     @contextlib.contextmanager
-    def coalesce(self) -> Iterator[None]:
-        """Several backward calls, one reduction: buckets fill across them and go out when the block ends."""
+    def hold(self) -> Iterator[None]:
+        """Backward calls inside send nothing: their gradients add up in the buckets until ``finish()``."""
+        if self.coalescing:
+            raise RuntimeError("coalesce_grad_reduction() cannot be nested")
         self.coalescing = True
         try:
             yield
         finally:
             self.coalescing = False
+
+    @contextlib.contextmanager
+    def coalesce(self) -> Iterator[None]:
+        """Several backward calls, one reduction: buckets fill across them and go out when the block ends."""
+        with self.hold():
+            yield
         self.finish()
 
     def buffers(self) -> list[torch.Tensor]:
@@ -213,7 +228,9 @@ class ReduceScatter:
             record("grad_reduce", (self.world - 1) * bucket.width * buf.element_size())
         else:
             bucket.result = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
-            reduce_scatter = getattr(self.comm, "reduce_scatter_tensor", dist.reduce_scatter_tensor)
+            # deepspeed.comm's reduce_scatter_fn where the engine hands it in (DeepSpeed's ZeRO-3 entry point)
+            reduce_scatter = getattr(self.comm, "reduce_scatter_fn", None) or \
+                getattr(self.comm, "reduce_scatter_tensor", dist.reduce_scatter_tensor)
             bucket.works = [reduce_scatter(bucket.result, buf.reshape(-1), group=self.group, async_op=True)]
             record("grad_reduce", (self.world - 1) * bucket.width * buf.element_size())
         self.in_flight.append(bucket)

@@ -550,6 +550,12 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
     def group_of(self, param: torch.nn.Parameter) -> Z3Group:
         return self._group_of[id(param)]
 
+    @property
+    def micro_step_id(self) -> int:
+        """Gradient reductions into the partitions since the last ``zero_grad`` (DeepSpeed's name): 0 means the
+        next one starts the window."""
+        return self.reducer.micro_steps
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.groups:
             g.grad.zero_()

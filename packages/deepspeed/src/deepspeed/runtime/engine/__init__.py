@@ -336,12 +336,24 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
                                       "pipeline schedule runs the backward passes and their reductions itself")
         if not self._sync_enabled:
             raise GradSyncContextError("coalesce_grad_reduction cannot be nested inside no_sync()")
+        hold = getattr(self.reducer, "hold", None)
+        if self.zero_optimization_stage() == 3 and hold is not None:
+            with hold():  # the backward calls inside only fill the reduce-scatter buckets
+                yield
+            self._flush_coalesced_reduction_zero3(self.optimizer)
+            return
         coalesce = getattr(self.reducer, "coalesce", None)
         if coalesce is None:
             raise TypeError(f"the ZeRO stage {self.zero_optimization_stage()} reducer "
                             f"({type(self.reducer).__name__}) has no coalesce()")
         with coalesce():
             yield
+
+    def _flush_coalesced_reduction_zero3(self, optimizer: Any) -> None:
+        """The one reduce-scatter pass of a ``coalesce_grad_reduction()`` block under ZeRO-3: every bucket the
+        block's backward calls filled goes out and its average lands in the gradient partitions. It runs before
+        any other reduction of the window (``optimizer.micro_step_id`` is 0), so the partitions hold exactly it."""
+        optimizer.reducer.finish()
 
     # ---- gradient accumulation and the step -------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
