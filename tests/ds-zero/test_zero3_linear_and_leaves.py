@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -31,15 +32,20 @@ from ds_zero.zero3.linear import (
 BUILTIN_LINEAR = torch._C._nn.linear
 
 
+class _Owner:
+    """Stands for a ZeRO-3 scheduler holding the F.linear replacement."""
+
+
 def test_functional_linear_replaced_while_a_user_lives():
     assert F.linear is BUILTIN_LINEAR
-    assert install_functional_linear() and install_functional_linear()
+    owner_a, owner_b = _Owner(), _Owner()
+    assert install_functional_linear(owner_a) and install_functional_linear(owner_b)
     try:
         assert F.linear is zero3_linear_wrap
-        remove_functional_linear()
+        remove_functional_linear(owner_a)
         assert F.linear is zero3_linear_wrap  # one user left
     finally:
-        remove_functional_linear()
+        remove_functional_linear(owner_b)
     assert F.linear is BUILTIN_LINEAR
 
 
@@ -49,8 +55,9 @@ def test_foreign_replacement_is_left_alone():
 
     F.linear = other
     try:
-        assert install_functional_linear() is False
-        remove_functional_linear()
+        owner = _Owner()
+        assert install_functional_linear(owner) is False
+        remove_functional_linear(owner)
         assert F.linear is other
     finally:
         F.linear = BUILTIN_LINEAR
@@ -154,6 +161,7 @@ def _checkpoint_run(stage: int, threshold: int) -> dict:
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    gc.collect()  # ZeRO-3 engines earlier tests in this worker dropped without destroy() release F.linear here
     rank = dist.get_rank()
     torch.manual_seed(0)
     zero = {"stage": stage}
@@ -273,3 +281,36 @@ def test_leaf_module_parameters_and_their_gradients():
         assert out["leaves"] == {"ModuleList": 4}  # one leaf module: both branches' weights and biases
         for have, want in zip(out["got"], out["want"], strict=True):
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)
+
+
+def test_functional_linear_is_released_by_a_dropped_owner():
+    from ds_zero.zero3.linear import install_functional_linear, remove_functional_linear
+
+    builtin = F.linear
+    kept, dropped = _Owner(), _Owner()
+    assert install_functional_linear(kept) and install_functional_linear(dropped)
+    del dropped
+    gc.collect()
+    assert F.linear is zero3_linear_wrap  # one owner left
+    # any weight goes through the wrapper while it is installed, empty layers included (a rank without heads)
+    x = torch.randn(3, 0, requires_grad=True)
+    w = torch.randn(4, 0, requires_grad=True)
+    out = F.linear(x, w)
+    out.sum().backward()
+    assert out.shape == (3, 4) and x.grad.shape == (3, 0) and w.grad.shape == (4, 0)
+    remove_functional_linear(kept)
+    assert F.linear is builtin
+    del kept
+    gc.collect()
+    assert F.linear is builtin
+
+
+def test_memory_efficient_function_handles_empty_layers():
+    x = torch.randn(2, 5, 0, requires_grad=True)
+    w = torch.randn(3, 0, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    out = LinearFunctionForZeroStage3.apply(x, w, b)
+    out.sum().backward()
+    assert torch.equal(out.detach(), b.detach().expand(2, 5, 3))
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert torch.equal(b.grad, torch.full((3,), 10.0))

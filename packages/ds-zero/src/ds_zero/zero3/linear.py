@@ -6,13 +6,15 @@ The weight is gathered again before the layer's backward, so released weights re
 As in DeepSpeed, ``torch.nn.functional.linear`` itself is replaced by :func:`zero3_linear_wrap` process-wide while
 a ZeRO-3 model with ``memory_efficient_linear`` lives (``F.linear(h, self.embed.weight)`` in a model's own forward
 saves the parameter too); the builtin comes back when the last such model's hooks are removed (engine
-``destroy``). Plain ``nn.Linear`` layers of the model are routed through the function directly as well, so the
-saving holds even when another library replaced ``F.linear`` first (it is then left alone).
+``destroy``) or the last one is garbage-collected. Plain ``nn.Linear`` layers of the model are routed through
+the function directly as well, so the saving holds even when another library replaced ``F.linear`` first (it is
+then left alone).
 """
 
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -69,15 +71,21 @@ def _gather_if_released(weight: torch.Tensor) -> bool:
 def _linear_grads(ctx: Any, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> tuple:
     x_dtype, w_dtype, b_dtype = ctx.dtypes
-    flat_grad = grad.reshape(-1, grad.shape[-1])
+    flat_grad = _rows(grad)
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
         grad_x = grad.matmul(weight.to(grad.dtype)).to(x_dtype)
     if ctx.needs_input_grad[1]:
-        grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(w_dtype)
+        grad_w = flat_grad.t().matmul(_rows(x).to(grad.dtype)).to(w_dtype)
     if bias is not None and ctx.needs_input_grad[2]:
         grad_b = flat_grad.sum(0).to(b_dtype)
     return grad_x, grad_w, grad_b
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of its last dimension's rows (``reshape(-1, n)`` is ambiguous when ``t`` is empty: a
+    layer with no output or input features, as a rank holding no attention head has)."""
+    return t.reshape(1, -1) if t.dim() == 1 else t.flatten(0, -2)
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -88,28 +96,36 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def zero3_linear_wrap(input: torch.Tensor, weight: torch.nn.Parameter,  # noqa: A002 - F.linear's signature
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(input, weight, bias)`` through the memory-efficient autograd function (DeepSpeed's name)."""
+    """``F.linear(input, weight, bias)`` through the memory-efficient autograd function (DeepSpeed's name; any
+    weight, as DeepSpeed's: its values and gradients are torch's)."""
     return LinearFunctionForZeroStage3.apply(input, weight, bias)
 
 
-_users = 0  # live ZeRO-3 models that asked for the process-wide replacement
+_owners: set[int] = set()  # ids of the live schedulers that asked for the process-wide replacement
 
 
-def install_functional_linear() -> bool:
-    """Make ``torch.nn.functional.linear`` :func:`zero3_linear_wrap` (when it is still the builtin); every call
-    is paired with :func:`remove_functional_linear`. Returns whether ``F.linear`` is the wrapper now."""
-    global _users
-    _users += 1
+def install_functional_linear(owner: object) -> bool:
+    """Make ``torch.nn.functional.linear`` :func:`zero3_linear_wrap` (when it is still the builtin) on behalf of
+    ``owner`` until :func:`remove_functional_linear` for it, or until ``owner`` is garbage-collected (an engine
+    dropped without ``destroy()`` must not keep torch patched). Returns whether ``F.linear`` is the wrapper now."""
+    key = id(owner)
+    if key not in _owners:
+        _owners.add(key)
+        weakref.finalize(owner, _release, key)
     if F.linear is _TORCH_LINEAR:
         F.linear = zero3_linear_wrap
     return F.linear is zero3_linear_wrap
 
 
-def remove_functional_linear() -> None:
-    """One user fewer; the last one puts the builtin back (unless someone replaced the wrapper since)."""
-    global _users
-    _users = max(_users - 1, 0)
-    if _users == 0 and F.linear is zero3_linear_wrap:
+def remove_functional_linear(owner: object) -> None:
+    """``owner`` no longer needs the replacement; the last owner puts the builtin back (unless someone replaced
+    the wrapper since)."""
+    _release(id(owner))
+
+
+def _release(key: int) -> None:
+    _owners.discard(key)
+    if not _owners and F.linear is zero3_linear_wrap:
         F.linear = _TORCH_LINEAR
 
 

@@ -223,7 +223,7 @@ class ParamScheduler:
         self._install()
         self._owns_linear = settings.memory_efficient_linear
         if settings.memory_efficient_linear:
-            install_functional_linear()
+            install_functional_linear(self)
             use_memory_efficient_linear(root)
 
     # ---- setup ---------------------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ class ParamScheduler:
         clear_full_pool()
         if self._owns_linear:
             self._owns_linear = False
-            remove_functional_linear()
+            remove_functional_linear(self)
         for module in self.root.modules():
             if isinstance(module._parameters, _ZeroParamDict):
                 module._parameters.scheduler_ref = None
