@@ -28,6 +28,9 @@ from ds_zero.zero3.linear import (
     remove_functional_linear,
     zero3_linear_wrap,
 )
+from ds_zero.zero3.linear import (
+    _owners as linear_owners,
+)
 
 BUILTIN_LINEAR = torch._C._nn.linear
 
@@ -161,7 +164,6 @@ def _checkpoint_run(stage: int, threshold: int) -> dict:
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    gc.collect()  # ZeRO-3 engines earlier tests in this worker dropped without destroy() release F.linear here
     rank = dist.get_rank()
     torch.manual_seed(0)
     zero = {"stage": stage}
@@ -173,7 +175,8 @@ def _checkpoint_run(stage: int, threshold: int) -> dict:
     model = _Checkpointed()
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
-    linear_patched = F.linear is zero3_linear_wrap
+    linear_patched = F.linear is zero3_linear_wrap and id(engine.zero3_scheduler) in linear_owners  # by this engine
+    others = set(linear_owners) - {id(engine.zero3_scheduler)}  # engines of earlier tests in this worker process
     gen = torch.Generator().manual_seed(5)
     losses, leftovers = [], []
     for _ in range(3):
@@ -187,8 +190,10 @@ def _checkpoint_run(stage: int, threshold: int) -> dict:
         losses.append(float(loss))
     out = {"losses": losses, "leftovers": leftovers, "patched": linear_patched,
            "leaf": z3_leaf_module(engine.module)}
+    scheduler_id = id(engine.zero3_scheduler)
     engine.destroy()
-    out["restored"] = F.linear is BUILTIN_LINEAR
+    # destroy() gives up this engine's claim; torch's builtin is back unless an engine still alive holds one
+    out["restored"] = scheduler_id not in linear_owners and (F.linear is BUILTIN_LINEAR) == (not others)
     return out
 
 
