@@ -11,11 +11,9 @@ gradient of each weight (``ds_zero.muon``), leaves it as the partition's gradien
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from ds_ops.muon.original import ORTHOGONALIZED, _apply_precomputed, _AuxAdamBase, _muon_param
+from ds_ops.muon.original import ORTHOGONALIZED, _AuxAdamBase
 from ds_ops.muon.original import MuonWithAuxAdam as _DistributedMuonWithAuxAdam
 
 __all__ = ["ORTHOGONALIZED", "MuonWithAuxAdam", "is_muon_optimizer"]
@@ -25,13 +23,6 @@ class MuonWithAuxAdam(_DistributedMuonWithAuxAdam):
     """Muon for the ``use_muon=True`` groups, Adam for the others (see the module docstring)."""
 
     distributed = False
-
-    def _muon_group(self, group: dict[str, Any]) -> None:
-        if group.get(ORTHOGONALIZED):
-            _apply_precomputed(group)
-            return
-        for p in group["params"]:
-            _muon_param(p, self.state[p], group)
 
 
 def is_muon_optimizer(optimizer: torch.optim.Optimizer) -> bool:

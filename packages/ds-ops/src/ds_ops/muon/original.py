@@ -111,6 +111,23 @@ def _round_robin(params: list[torch.Tensor], update: Callable[[torch.Tensor], No
                 p.data.copy_(slots[r][:p.numel()].view_as(p))
 
 
+def _muon_group_step(group: dict[str, Any], state: dict[Any, Any], distributed: bool) -> None:
+    """One Muon step of ``group``: ZeRO's precomputed updates applied as they are, else each parameter's own
+    update (split round-robin over the ranks when ``distributed``)."""
+    if group.get(ORTHOGONALIZED):
+        _apply_precomputed(group)
+        return
+
+    def one(p: torch.Tensor) -> None:
+        _muon_param(p, state[p], group)
+
+    if distributed:
+        _round_robin(group["params"], one)
+    else:
+        for p in group["params"]:
+            one(p)
+
+
 class _MuonBase(torch.optim.Optimizer):
     distributed = False
 
@@ -132,14 +149,7 @@ class _MuonBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            def one(p: torch.Tensor, group: dict[str, Any] = group) -> None:
-                _muon_param(p, self.state[p], group)
-
-            if self.distributed:
-                _round_robin(group["params"], one)
-            else:
-                for p in group["params"]:
-                    one(p)
+            _muon_group_step(group, self.state, self.distributed)
         return loss
 
 
@@ -160,20 +170,6 @@ class _AuxAdamBase(torch.optim.Optimizer):
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(complete_groups(param_groups, sort_muon=self.distributed), {})
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
-        if group.get(ORTHOGONALIZED):
-            _apply_precomputed(group)
-            return
-
-        def one(p: torch.Tensor) -> None:
-            _muon_param(p, self.state[p], group)
-
-        if self.distributed:
-            _round_robin(group["params"], one)
-        else:
-            for p in group["params"]:
-                one(p)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -182,7 +178,7 @@ class _AuxAdamBase(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_group(group)
+                _muon_group_step(group, self.state, self.distributed)
             else:
                 for p in group["params"]:
                     _adam_param(p, self.state[p], group)
