@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +44,7 @@ from deepspeed.runtime.engine._timers import (
     PhaseTimers,
     Throughput,
 )
+from deepspeed.runtime.engine._weak_hook import weak_hook
 from deepspeed.runtime.engine._zero3 import Zero3EngineMethods
 from deepspeed.runtime.engine._zero_states import ZeroStateMethods
 from deepspeed.runtime.optimizer_wrapper import trainable
@@ -55,20 +55,6 @@ from deepspeed.utils.timer import ThroughputTimer
 from deepspeed.utils.torch import is_functorch_transforming
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _weak_hook(method: Any) -> Any:
-    """``method`` as a parameter hook that does not keep its engine alive: torch holds parameter hooks from C++,
-    where the garbage collector cannot see the cycle back to the parameter, so a bound method would keep a
-    dropped engine (its model, optimizer states and ZeRO-3's ``F.linear`` claim) in memory for good."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(param: torch.Tensor) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
-
-    return hook
 
 
 class GradSyncContextError(RuntimeError, AssertionError):
@@ -155,7 +141,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         self.checkpoint_shards = tuple(getattr(self.optimizer, "checkpoint_shards", ()))
         self.lr_scheduler = _optimizer.build_scheduler(lr_scheduler, self._config, self.optimizer)
         _setup.take_over_module(self, trained)
-        on_grad = _weak_hook(self._on_grad)
+        on_grad = weak_hook(self._on_grad)
         self._hook_handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
     def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
