@@ -42,6 +42,8 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.ops.lamb": "ds_ops.lamb",
     "deepspeed.ops.lamb.fused_lamb": "ds_ops.lamb.fused_lamb",
     "deepspeed.ops.op_builder": "ds_ops.op_builder",
+    # DeepSpeed4Science's Evoformer attention, in torch (ds-ops)
+    "deepspeed.ops.deepspeed4science": "ds_ops.deepspeed4science",
     # block-sparse self-attention (ds-ops, issue 20)
     "deepspeed.ops.sparse_attention": "ds_ops.sparse_attention",
     # the transformer kernel layer (ds-ops, issue 16)
@@ -77,6 +79,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.module_inject.auto_ep": "ds_moe.autoep.detect",
     "deepspeed.module_inject.auto_ep_config": "ds_moe.autoep.config",
     "deepspeed.module_inject.auto_ep_layer": "ds_moe.autoep.layer",
+    "deepspeed.module_inject.auto_ep_folding": "ds_moe.autoep.folding",
     "deepspeed.module_inject.auto_ep_preset_adapters": "ds_moe.autoep.presets",
     "deepspeed.module_inject.auto_ep_presets.base": "ds_moe.autoep.adapters",
     "deepspeed.module_inject.auto_ep_presets.registry": "ds_moe.autoep.presets",
@@ -85,6 +88,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.moe.ep_kernels": "ds_moe.ep_kernels",
     "deepspeed.moe.ep_repack": "ds_moe.ep_repack",
     "deepspeed.moe.ep_router": "ds_moe.ep_router",
+    "deepspeed.moe.ep_tp_dispatch": "ds_moe.ep_tp_dispatch",
     "deepspeed.moe.fused_expert_layout": "ds_moe.fused_expert_layout",
     # AutoTP (ds-inference, issue 16); deepspeed.module_inject (and .layers) are real modules re-exporting these
     "deepspeed.module_inject.auto_tp": "ds_inference.autotp",
@@ -115,16 +119,8 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.ops.transformer.inference.triton_ops": _KERNEL_INJECTION,
     "deepspeed.ops.transformer.inference.bias_add": _KERNEL_INJECTION,
     "deepspeed.model_implementations": "inference kernel injection (deepspeed.module_inject.containers)",
-    "deepspeed.sequence.auto_sp": "AutoSP for multimodal models (ViT attention and vision-language fusion sequence "
-                                  "parallelism: deepspeed.sequence.auto_sp)",
-    "deepspeed.sequence.autosp_vit": "AutoSP for multimodal models (ViT attention and vision-language fusion sequence "
-                                     "parallelism: deepspeed.sequence.auto_sp)",
-    "deepspeed.sequence.autosp_fusion": "AutoSP for multimodal models (ViT attention and vision-language fusion "
-                                        "sequence parallelism: deepspeed.sequence.auto_sp)",
     "deepspeed.runtime.hybrid_engine_graph": "CUDA-graph capture of the hybrid engine's token generation "
                                              "(deepspeed.runtime.hybrid_engine_graph)",
-    "deepspeed.ops.deepspeed4science": "the EvoformerAttention kernels of DeepSpeed4Science "
-                                       "(deepspeed.ops.deepspeed4science)",
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
     "deepspeed.linear": "the LoRA-optimized and quantized linear layers (deepspeed.linear: OptimizedLinear, "
                         "LoRAConfig, QuantizationConfig)",
@@ -136,16 +132,11 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.ops.sparse_attention.softmax": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                               "sparse_attention.softmax.Softmax)",
     "deepspeed.inference.quantization": "weight-only quantized inference (deepspeed.inference.quantization)",
-    "deepspeed.module_inject.auto_ep_folding": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
-    "deepspeed.moe.ep_tp_dispatch": "AutoEP expert-tensor-parallel folding (AutoEP combined with AutoTP)",
     "deepspeed.compile.inductor": "DeepCompile (compiler-driven ZeRO passes)",
-    "deepspeed.compile.init_tp": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.fx": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.profilers": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.util": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.partitioner": "DeepCompile (compiler-driven ZeRO passes)",
-    "deepspeed.compile.passes.offload_activation": "DeepCompile (compiler-driven ZeRO passes)",
-    "deepspeed.compile.passes.offload_adam_states": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.passes.selective_gather": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.backend": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.z3_eager_fallback": "DeepCompile (compiler-driven ZeRO passes)",
@@ -158,7 +149,6 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.compile.passes.zero_1_and_2_compile": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.passes.prefetch": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.passes.offload_parameters": "DeepCompile (compiler-driven ZeRO passes)",
-    "deepspeed.compile.passes.tp_compile": "DeepCompile (compiler-driven ZeRO passes)",
 }
 """Documented paths of features this version does not have yet: importing one raises ``FeatureNotAvailable`` (a
 ``ModuleNotFoundError``) naming the feature, instead of a bare "No module named ...". Rows leave as features land."""
