@@ -34,6 +34,7 @@ from deepspeed.runtime.engine._accessors import ConfigAccessors
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
+from deepspeed.runtime.engine._deepcompile import DeepCompileMethods
 from deepspeed.runtime.engine._precision import MixedPrecisionMethods, is_zero_init_model
 from deepspeed.runtime.engine._timers import (
     BACKWARD,
@@ -67,7 +68,7 @@ class LossArgumentError(TypeError, AssertionError):
 
 
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
-                      CheckpointNameMethods, torch.nn.Module):
+                      CheckpointNameMethods, DeepCompileMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -576,6 +577,9 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
+        self._release_deepcompile()
+        if "_hook_handles" not in self.__dict__:  # never set up (built with object.__new__): nothing else to free
+            return
     """The tensors in a module's output (nested tuples, lists, dicts such as Hugging Face's ModelOutput)."""
     if isinstance(value, torch.Tensor):
         yield value
