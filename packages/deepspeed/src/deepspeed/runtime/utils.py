@@ -54,7 +54,8 @@ __all__ = [
     "get_tensor_bytes", "get_weight_norm", "has_inf_or_nan", "is_invalid_grad_norm", "is_model_parallel_parameter",
     "is_optimized_parameter", "mask_nan_or_inf_with_val_inplace", "maybe_loss_for_backward", "memory_status",
     "move_to_device", "noop_context", "noop_decorator", "partition_balanced", "partition_uniform", "prefix_sum_inc",
-    "required_torch_version", "see_memory_usage", "set_random_seed",
+    "required_torch_version", "see_memory_usage", "set_random_seed", "OutputBackwardHookManager",
+    "register_output_backward_hooks",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -299,3 +300,42 @@ def get_ma_status() -> int:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return 0
     return get_accelerator().memory_allocated()
+
+
+class OutputBackwardHookManager:
+    """Gradient hooks on a forward's output tensors: ``preprocess_once_fn()`` runs when the backward first reaches
+    any of them (once per backward), ``preprocess_per_tensor_fn(grad)`` (when given) maps each output's gradient.
+    The manager lives as long as the outputs do (each hook holds it)."""
+
+    def __init__(self, preprocess_once_fn: Callable[[], None],
+                 preprocess_per_tensor_fn: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.preprocess_once_fn = preprocess_once_fn
+        self.preprocess_per_tensor_fn = preprocess_per_tensor_fn
+        self.hook_handles: list[Any] = []
+        self._ran = False
+
+    def _hook(self, grad: torch.Tensor) -> Any:
+        if not self._ran:
+            self._ran = True
+            self.preprocess_once_fn()
+        return None if self.preprocess_per_tensor_fn is None else self.preprocess_per_tensor_fn(grad)
+
+    def register_hooks_on_outputs(self, outputs: Any) -> None:
+        if isinstance(outputs, torch.Tensor):
+            if outputs.requires_grad:
+                self.hook_handles.append(outputs.register_hook(self._hook))
+        elif isinstance(outputs, (list, tuple)):
+            for value in outputs:
+                self.register_hooks_on_outputs(value)
+        elif isinstance(outputs, dict):
+            for value in outputs.values():
+                self.register_hooks_on_outputs(value)
+
+
+def register_output_backward_hooks(outputs: Any, preprocess_once_fn: Callable[[], None],
+                                   preprocess_per_tensor_fn: Callable[[torch.Tensor], Any] | None = None
+                                   ) -> OutputBackwardHookManager:
+    """DeepSpeed's helper: an :class:`OutputBackwardHookManager` with hooks on every output that needs a gradient."""
+    manager = OutputBackwardHookManager(preprocess_once_fn, preprocess_per_tensor_fn)
+    manager.register_hooks_on_outputs(outputs)
+    return manager
