@@ -29,7 +29,9 @@ from ds_ops.op_builder._cpu import (
     cpu_model,
     supported_simd_levels,
 )
+from ds_ops.op_builder.builder import CUDAOpBuilder
 from ds_ops.op_builder.builders import BandwidthProbeBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+from ds_ops.op_builder.evoformer_attn import EvoformerAttnBuilder
 from ds_ops.op_builder.kernel_builders import NOT_BUILT_BUILDERS, TORCH_BUILDERS, NotBuiltOpBuilder
 from ds_ops.op_builder.torch_ops import FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, TorchOpBuilder
 
@@ -50,7 +52,7 @@ def register_builder(cls: type) -> type:
 
 
 for _cls in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
-             *TORCH_BUILDERS, *NOT_BUILT_BUILDERS):  # the last two: DeepSpeed's other op names (kernel_builders)
+             EvoformerAttnBuilder, *TORCH_BUILDERS, *NOT_BUILT_BUILDERS):  # the last two: kernel_builders
     register_builder(_cls)
 
 
@@ -71,9 +73,9 @@ def is_installed(builder: Any) -> bool:
 
     A native op counts when the wheel ships its library for this CPU (``DS_BUILD_OPS=1`` at install; a JIT-cache
     build does not count, as in DeepSpeed). Ops without native code (async_io over cffi's ABI mode, the fused
-    optimizers on torch's kernels) are installed with the package.
+    optimizers on torch's kernels) are installed with the package. CUDA ops are never prebuilt in this version.
     """
-    if isinstance(builder, NotBuiltOpBuilder):
+    if isinstance(builder, (NotBuiltOpBuilder, CUDAOpBuilder)):
         return False
     return not isinstance(builder, OpBuilder) or builder.prebuilt_path() is not None
 
@@ -112,6 +114,8 @@ __all__ = [
     "CPUAdagradBuilder",
     "CPUAdamBuilder",
     "CPULionBuilder",
+    "CUDAOpBuilder",
+    "EvoformerAttnBuilder",
     "FusedAdamBuilder",
     "FusedLambBuilder",
     "FusedLionBuilder",

@@ -89,7 +89,6 @@ RaggedUtilsBuilder = _not_built("RaggedUtilsBuilder", "ragged_ops", _INFERENCE)
 SpatialInferenceBuilder = _not_built("SpatialInferenceBuilder", "spatial_inference", _INFERENCE)
 QuantizerBuilder = _not_built("QuantizerBuilder", "quantizer", "the CUDA int4/int8 quantizer kernels")
 FPQuantizerBuilder = _not_built("FPQuantizerBuilder", "fp_quantizer", "the FP8/FP6/FP12 quantizer kernels")
-EvoformerAttnBuilder = _not_built("EvoformerAttnBuilder", "evoformer_attn", "the DS4Science Evoformer attention")
 GDSBuilder = _not_built("GDSBuilder", "gds", "GPUDirect Storage (DeepNVMe's GDS handle)")
 UtilsBuilder = _not_built("UtilsBuilder", "utils", "the native tensor utilities (flatten, byte casts)")
 DeepCompileBuilder = _not_built("DeepCompileBuilder", "dc", "DeepCompile (compiler-driven ZeRO passes)")
@@ -99,7 +98,7 @@ SparseAttnBuilder = _not_built("SparseAttnBuilder", "sparse_attn", "the Triton b
 TORCH_BUILDERS = (TransformerBuilder, StochasticTransformerBuilder)
 NOT_BUILT_BUILDERS = (InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder, RaggedOpsBuilder,
                       RaggedUtilsBuilder, SpatialInferenceBuilder, QuantizerBuilder, FPQuantizerBuilder,
-                      EvoformerAttnBuilder, GDSBuilder, UtilsBuilder, DeepCompileBuilder,
+                      GDSBuilder, UtilsBuilder, DeepCompileBuilder,
                       SparseAttnBuilder)
 
 __all__ = ["NOT_BUILT_BUILDERS", "NotBuiltOpBuilder", "TORCH_BUILDERS", *(c.__name__ for c in TORCH_BUILDERS),
