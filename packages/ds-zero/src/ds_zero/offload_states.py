@@ -36,6 +36,12 @@ __all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "get_state_devices", "of
 _CPU = torch.device("cpu")
 
 
+def _make_offload_state_key(key: str) -> str:
+    """The optimizer-state key under which a state moved off the device keeps its host copy (DeepSpeed's
+    ``<key>_offload_buffer``; DeepCompile's ``offload_adam_states`` pass stores Adam's moments there)."""
+    return f"{key}_offload_buffer"
+
+
 @dataclass(frozen=True)
 class _Transfer:
     pin_memory: bool = False

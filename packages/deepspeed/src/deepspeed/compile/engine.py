@@ -45,12 +45,19 @@ def compile_engine(engine: Any, backend: Any, compile_kwargs: dict[str, Any], sc
     if not section.deepcompile:
         engine.module.compile(backend=backend, **kwargs)
         return
+    if "autotp" in (section.passes or []):  # AutoTP's pass (deepspeed.compile.init_tp)
+        from deepspeed.compile.init_tp import compile_autotp
+
+        compile_autotp(engine, backend, kwargs)
+        return
     check_deepcompile(section)
     compile_autosp(engine, backend, kwargs)
 
 
 def check_deepcompile(section: Any) -> None:
     """``compile`` with ``deepcompile``: only the AutoSP pass is available (ZeRO and AutoTP passes are not)."""
+    if "autotp" in (section.passes or []):  # what AutoTP's pass may be combined with is checked by engine.compile
+        return
     others = [p for p in section.passes or [] if p != "autosp"]
     if not section.autosp or others:
         raise ConfigError(ConfigProblem("compile.passes", "of DeepCompile's passes only AutoSP is available in this "

@@ -38,7 +38,14 @@ def _one_group(tp_group: dist.ProcessGroup | None, mp_group: dist.ProcessGroup |
 
 
 class TensorParallel_Layer(nn.Module):  # noqa: N801 - DeepSpeed's class name
-    """Base of the sharded layers: the group, this rank's index, and the split of every parameter."""
+    """Base of the sharded layers: the group, this rank's index, and the split of every parameter.
+
+    ``defer_collectives_to_compiler`` (set by DeepCompile's ``autotp`` pass): the linear layers skip their f/g
+    collectives, which the compiled graph then carries; ``tp_overlap_comm`` is DeepSpeed's flag (not used here).
+    """
+
+    defer_collectives_to_compiler = False
+    tp_overlap_comm = False
 
     def __init__(self, tp_group: dist.ProcessGroup | None, name: str | None = None) -> None:
         super().__init__()
@@ -187,7 +194,7 @@ class LinearLayer(LinearSplitMixin, TensorParallel_Layer):
         return tuple(self._tp_layouts["weight"].sizes)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._collective:
+        if self._collective and not self.defer_collectives_to_compiler:
             hidden = copy_to_tp(hidden, self.tp_group)
         if self.transposed:
             out = hidden @ self.weight
@@ -195,6 +202,8 @@ class LinearLayer(LinearSplitMixin, TensorParallel_Layer):
         else:
             out = F.linear(hidden, self.weight, self.bias)
         if self.gather_output and self._collective:
+            if self.defer_collectives_to_compiler:  # an op the graph can hold (defined by deepspeed.compile)
+                return torch.ops.autotp.gather_from_tp_region(out, list(self.output_sizes))
             return gather_from_tp(out, self.output_sizes, self.tp_group)
         return out
 
@@ -224,7 +233,7 @@ class LinearAllreduce(LinearSplitMixin, TensorParallel_Layer):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self._partial(hidden)
-        if self._collective:
+        if self._collective and not self.defer_collectives_to_compiler:
             out = reduce_from_tp(out, self.tp_group)
         return out + self.bias if self.bias is not None else out
 
