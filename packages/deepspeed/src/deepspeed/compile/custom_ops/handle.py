@@ -132,6 +132,8 @@ class DeepCompileHandle:
         self.gathered.pop(ds_id, None)
 
     def reduce_grad(self, grad: torch.Tensor, graph_id: int, ds_id: int) -> None:
+        if self.profiling:  # a profiling run of the backward graph: its gradients are not the step's
+            return
         entry = self.params.get(ds_id)
         if entry is None or self.grad_sink is None:
             raise RuntimeError(f"DeepCompile: reduce_grad for parameter id {ds_id} with no engine to receive it")
@@ -165,7 +167,8 @@ def _gather_whole(param: torch.nn.Parameter) -> torch.Tensor:
         flat = part
     else:
         flat = part.new_empty(space.world * part.numel())
-        dist.all_gather_into_tensor(flat, part.contiguous(), group=space.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(flat, part.contiguous(), group=space.group)
     return flat[:param.ds_numel].view(param.ds_shape)
 
 
