@@ -1,5 +1,5 @@
 """DeepCompile (``deepspeed.compile``): compiler passes run by ``DeepSpeedEngine.compile`` when the config's
-``compile.deepcompile`` is on. This version provides AutoSP (``passes: ["autosp"]``), automatic Ulysses sequence
-parallelism for SDPA models (``deepspeed.compile.passes.sp_compile``), with its selective activation checkpointing
-(``passes.long_context_checkpointing``); DeepCompile's ZeRO and AutoTP passes are not built. Nothing here is
+``compile.deepcompile`` is on. Built: the backend and pass schedule (``backend``), the ``torch.ops.dc`` operators
+and their runtime (``custom_ops``), the inductor wiring, and AutoSP (``passes: ["autosp"]``,
+``passes.sp_compile``); the engine does not yet accept the ZeRO passes (see docs/deepcompile.md). Nothing here is
 imported by ``import deepspeed``."""
