@@ -20,7 +20,7 @@ metadata (``device_time``, ``tensor_size`` in ``node.meta``; missing values coun
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +38,6 @@ def dc_op(name: str):
     return None if packet is None else packet.default
 
 
-def _is_op(node: Node, name: str) -> bool:
-    op = dc_op(name)
-    return op is not None and node.target == op
-
-
 def make_graph_from_schedule(scheduled: Iterable[Node], like: Graph | None = None) -> Graph:
     """A new graph with copies of ``scheduled`` in that order (``like``: graph whose code generator to keep)."""
     new_graph = Graph()
@@ -54,7 +49,17 @@ def make_graph_from_schedule(scheduled: Iterable[Node], like: Graph | None = Non
     return new_graph
 
 
-def get_node_requirements(target: Node, scheduled: set[Node]) -> list[Node]:
+class _Either:
+    """Membership in either of two sets, without building their union."""
+
+    def __init__(self, a: Container[Node], b: Container[Node]):
+        self.a, self.b = a, b
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.a or node in self.b
+
+
+def get_node_requirements(target: Node, scheduled: Container[Node]) -> list[Node]:
     """``target`` and its not-yet-scheduled ancestors, each after its own inputs (iterative: graphs are deep)."""
     order: list[Node] = []
     seen: set[Node] = set()
@@ -70,6 +75,17 @@ def get_node_requirements(target: Node, scheduled: set[Node]) -> list[Node]:
         stack.append((node, True))
         stack.extend((arg, False) for arg in reversed(node.all_input_nodes) if arg not in seen)
     return order
+
+
+def _gather_ancestry(graph: Graph, bit: dict[Node, int]) -> dict[Node, int]:
+    """node -> bit mask of the all-gathers among the node and its ancestors (one pass in graph order)."""
+    masks: dict[Node, int] = {}
+    for n in graph.nodes:
+        mask = bit.get(n, 0)
+        for arg in n.all_input_nodes:
+            mask |= masks[arg]
+        masks[n] = mask
+    return masks
 
 
 @dataclass
@@ -97,34 +113,42 @@ def _fallback_allgather_key(task: AllgatherTask) -> tuple:
 
 
 class _FreeScheduler:
-    """State of one ``fast_free_schedule`` run: the order so far and the all-gathers still to issue."""
+    """State of one ``fast_free_schedule`` run: the order so far and the all-gathers still to issue.
+
+    Pending all-gathers on the way to a target are bit masks (bit ``i``: the ``i``-th all-gather of the graph),
+    computed in one pass: per-target walks would make a graph with thousands of parameters quadratic in nodes.
+    """
 
     def __init__(self, graph: Graph):
         self.graph = graph
+        self.ag_op = dc_op("allgather_param")
         self.last_use = get_last_uses(graph)[0]
         self.order: list[Node] = [n for n in graph.nodes if n.op == "placeholder"]
         self.done: set[Node] = set(self.order)
-        self.pending = [n for n in graph.nodes if _is_op(n, "allgather_param")]
+        self.pending = [n for n in graph.nodes if self._is_ag(n)]
+        self.bit = {ag: 1 << i for i, ag in enumerate(self.pending)}
         self.releases: dict[int, list[Node]] = defaultdict(list)
         for n in graph.nodes:
             if is_release_node(n):
                 self.releases[n.args[2]].append(n)
+        masks = _gather_ancestry(graph, self.bit)
         # all-gathers still pending on the way to each parameter's last use / each reduction / each output
-        self.ags_before_free = {ag: self._pending_ags(self._last_use(ag)) for ag in self.pending}
-        self.waiting = {n: self._pending_ags(n) for n in self._early_targets()}
+        self.ags_before_free = {ag: masks[self._last_use(ag)] for ag in self.pending}
+        self.waiting = {n: masks[n] for n in self._early_targets()}
+
+    def _is_ag(self, n: Node) -> bool:
+        return self.ag_op is not None and n.target == self.ag_op
 
     def _last_use(self, ag: Node) -> Node:
         return self.last_use.get(ag, ag)
 
-    def _pending_ags(self, target: Node) -> set[Node]:
-        return {n for n in get_node_requirements(target, self.done) if _is_op(n, "allgather_param")}
-
     def _early_targets(self) -> list[Node]:
-        reduces = [n for n in self.graph.nodes if _is_op(n, "reduce_grad")]
+        reduce_op = dc_op("reduce_grad")
+        reduces = [n for n in self.graph.nodes if reduce_op is not None and n.target == reduce_op]
         outs: list[Node] = []
         for output in (n for n in self.graph.nodes if n.op == "output"):
             map_arg(output.args, outs.append)
-        return reduces + [n for n in dict.fromkeys(outs) if not _is_op(n, "reduce_grad")]
+        return reduces + [n for n in dict.fromkeys(outs) if reduce_op is None or n.target != reduce_op]
 
     def take(self, nodes: Iterable[Node]) -> None:
         for n in nodes:
@@ -138,38 +162,41 @@ class _FreeScheduler:
         if ag not in self.ags_before_free:  # retired already by a nested take()
             return
         self.pending.remove(ag)
-        self.ags_before_free.pop(ag, None)
-        for others in self.ags_before_free.values():
-            others.discard(ag)
-        for target, ags in self.waiting.items():
-            if ag in ags:
-                ags.discard(ag)
-                if not ags:  # its last all-gather is out: run it now so its memory goes early
+        del self.ags_before_free[ag]
+        bit = self.bit[ag]
+        for other, mask in self.ags_before_free.items():
+            if mask & bit:
+                self.ags_before_free[other] = mask & ~bit
+        for target, mask in self.waiting.items():
+            if mask & bit:
+                self.waiting[target] = mask & ~bit
+                if mask == bit:  # its last all-gather is out: run it now so its memory goes early
                     self.take(get_node_requirements(target, self.done))
 
     def task(self, ag: Node) -> AllgatherTask:
         until_ag = get_node_requirements(ag, self.done)
         last_use = self._last_use(ag)
-        to_free = get_node_requirements(last_use, self.done | set(until_ag))
+        to_free = get_node_requirements(last_use, _Either(self.done, set(until_ag)))
         until_free = until_ag + to_free
         for release in self.releases[ag.args[2]]:
-            until_free += [n for n in get_node_requirements(release, self.done | set(until_free))
-                           if n not in until_free]
-        size = _meta_sum(until_ag, "tensor_size", gathers_only=True)
+            listed = set(until_free)
+            until_free += get_node_requirements(release, _Either(self.done, listed))
         return AllgatherTask(node=ag, allgather_cost=_meta_sum(until_ag, "device_time"),
                              free_cost=_meta_sum(to_free, "device_time"), allgathered_mem=ag.meta.get("tensor_size", 0),
-                             allgather_acc_mem=size, free_acc_mem=_meta_sum(to_free, "tensor_size", gathers_only=True),
-                             last_use=last_use, n_scheduled_ags=sum(_is_op(n, "allgather_param") for n in until_free),
+                             allgather_acc_mem=_meta_sum(filter(self._is_ag, until_ag), "tensor_size"),
+                             free_acc_mem=_meta_sum(filter(self._is_ag, to_free), "tensor_size"),
+                             last_use=last_use, n_scheduled_ags=sum(map(self._is_ag, until_free)),
                              schedule_until_ag=until_ag, schedule_until_free=until_free)
 
     def candidates(self) -> list[AllgatherTask]:
         """Tasks for the pending all-gathers needing the fewest other all-gathers before their release."""
-        fewest = min(len(self.ags_before_free[ag]) for ag in self.pending)
-        return [self.task(ag) for ag in self.pending if len(self.ags_before_free[ag]) == fewest]
+        counts = {ag: self.ags_before_free[ag].bit_count() for ag in self.pending}
+        fewest = min(counts.values())
+        return [self.task(ag) for ag in self.pending if counts[ag] == fewest]
 
 
-def _meta_sum(nodes: Iterable[Node], key: str, gathers_only: bool = False) -> float:
-    return sum(n.meta.get(key, 0) for n in nodes if not gathers_only or _is_op(n, "allgather_param"))
+def _meta_sum(nodes: Iterable[Node], key: str) -> float:
+    return sum(n.meta.get(key, 0) for n in nodes)
 
 
 def fast_free_schedule(graph: Graph, available_mem: int, output_size: int, debug_log: bool) -> Graph:

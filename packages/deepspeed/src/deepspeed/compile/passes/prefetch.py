@@ -70,10 +70,11 @@ class _Planner:
             self.open = []
 
     def issue(self, group: list[Node]) -> None:
-        # appended before the current node in reverse: in forward order the prefetch runs right after it
+        # appended before the current node in reverse: in forward order the prefetch runs right after it;
+        # the group was collected backwards, so it is reversed to gather first what is needed first
         self.closed.remove(group)
         self.buffered -= self.size(group)
-        self.out_rev.append(group)
+        self.out_rev.append(group[::-1])
 
     def issue_blocked_by(self, node: Node, blockers: dict[Node, set[Node]]) -> None:
         blocked = blockers.get(node, set())
