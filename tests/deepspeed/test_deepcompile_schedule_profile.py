@@ -142,7 +142,7 @@ def test_ranks_agree_on_averaged_figures():
 def test_a_failure_on_one_rank_stops_every_rank_at_the_same_node():
     # rank 1 fails in its second node; rank 0, healthy, must stop there too instead of waiting forever in the
     # third node's collectives; the memory profiler likewise
-    for out_none, incomplete, _meta_, mem_none, mem_complete in run_distributed(_profile_on_ranks, world_size=2,
+    for out_none, incomplete, _, mem_none, mem_complete in run_distributed(_profile_on_ranks, world_size=2,
                                                                                 args=(True, ), timeout=120):
         assert out_none and incomplete and mem_none and not mem_complete
 
