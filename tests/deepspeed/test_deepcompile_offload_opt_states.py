@@ -193,3 +193,59 @@ def test_bad_budget_override_names_the_variable(monkeypatch):
     monkeypatch.setenv(oas.BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match=oas.BUDGET_ENV):
         oas._budget()
+
+
+def test_one_offload_target_per_run():
+    from deepspeed.compile.init_offload import check_offload_targets
+
+    def config(**on):
+        return SimpleNamespace(**{"offload_opt_states": False, "offload_activation": False,
+                                  "offload_parameters": False, **on})
+
+    zero_offload = SimpleNamespace(zero_use_cpu_optimizer=lambda: True)
+    plain = SimpleNamespace(zero_use_cpu_optimizer=lambda: False)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        check_offload_targets(zero_offload, config(offload_opt_states=True))
+    check_offload_targets(plain, config(offload_opt_states=True))
+    check_offload_targets(zero_offload, config(offload_activation=True))
+    for other in ("offload_parameters", "offload_opt_states"):
+        with pytest.raises(ValueError, match=f"offload_activation.*{other}"):
+            check_offload_targets(plain, config(offload_activation=True, **{other: True}))
+    with pytest.raises(ValueError, match="offload_parameters and compile.offload_opt_states"):
+        check_offload_targets(plain, config(offload_parameters=True, offload_opt_states=True))
+
+
+def test_default_schedules_and_binding():
+    from deepspeed.compile.init_offload import bind_offload_passes, offload_schedule
+    from deepspeed.compile.passes import offload_activation as act
+
+    def z3(*args):
+        return None
+
+    opt_states = offload_schedule(SimpleNamespace(offload_opt_states=True), z3, warmup=5)
+    assert opt_states == [(0, [z3]), (1, [oas.offload_adam_states_for_init, z3, oas.move_opt_states])]
+    activations = offload_schedule(SimpleNamespace(offload_opt_states=False, offload_activation=True), z3, warmup=5)
+    assert activations == [(0, [z3, act.offload_activation_floor]),
+                           (5, [z3, act.offload_activation_floor, act.offload_activation])]
+    assert offload_schedule(SimpleNamespace(), z3, warmup=5) is None
+
+    opt, handle = _zero3_like_optimizer(), _Handle()
+    bind_offload_passes(activations, opt, handle)
+    assert oas.optimizer is None  # nothing of this pass scheduled: nothing bound
+    bind_offload_passes(opt_states, opt, handle)
+    assert oas.optimizer is opt and oas.nz3 is handle
+
+
+def test_zero3_optimizer_states_are_paired_by_master(monkeypatch):
+    # ZeRO-3 keys a sub-group's state by its master; the pairing must not depend on the state dict's order
+    opt = _zero3_like_optimizer()
+    _step(opt, 0)
+    first, second = opt.fp32_partitioned_groups_flat
+    reordered = {second: opt.state[second], first: opt.state[first]}
+    opt.state = reordered
+    oas.init_offload_opt_states(opt, _Handle())
+    oas.offload_adam_states_sync()
+    oas.reload_adam_states_sync()
+    tasks = oas._build_tasks()
+    assert [(t.group, t.kind) for t in tasks][:3] == [(0, "exp_avg"), (0, "exp_avg_sq"), (0, "hp_param")]
+    assert tasks[0].target is first

@@ -379,13 +379,21 @@ def _anchor(graph: Graph):
 
 def _build_tasks() -> list[_Task]:
     tasks = []
-    # one state entry per sub-group master once the optimizer has stepped (none before: nothing to move yet)
-    groups = zip(optimizer.state.items(), optimizer.fp32_partitioned_groups_flat, optimizer.hp_params_pin_buffers,
-                 strict=False)
-    for i, ((key, state), master, host) in enumerate(groups):
-        for kind in _state_keys(state):
-            buf = state[_make_offload_state_key(kind)]
-            tasks.append(_Task(i, key, kind, buf.numel() * buf.element_size(), buf.dtype))
+    entries = list(optimizer.state.items())
+    masters = zip(optimizer.fp32_partitioned_groups_flat, optimizer.hp_params_pin_buffers, strict=True)
+    for i, (master, host) in enumerate(masters):
+        # ZeRO-3 keys each sub-group's state by its master; otherwise the entries are in sub-group order
+        if master in optimizer.state:
+            key = master
+        elif i < len(entries):
+            key = entries[i][0]
+        else:
+            key = None  # no state yet (before the first step): only the master moves
+        if key is not None:
+            state = optimizer.state[key]
+            for kind in _state_keys(state):
+                buf = state[_make_offload_state_key(kind)]
+                tasks.append(_Task(i, key, kind, buf.numel() * buf.element_size(), buf.dtype))
         tasks.append(_Task(i, (master, host), HP_PARAM, master.numel() * master.element_size(), master.dtype))
     return tasks
 
