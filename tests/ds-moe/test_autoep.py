@@ -297,11 +297,10 @@ def test_autoep_size_above_one_needs_torch_distributed():
 
 @pytest.mark.parametrize(("section", "path"), [
     ({"tensor_parallel": {"autotp_size": 2}}, "expert_parallel.enabled"),
-    ({"zero_optimization": {"stage": 3}}, "expert_parallel.enabled"),
     ({"expert_parallel": {"enabled": True, "preset_model": "deepseek_v3", "load_balance_coeff": 0.01}},
      "expert_parallel.load_balance_coeff"),
 ])
-def test_config_rejects_autotp_zero3_and_load_balance_coeff(section, path):
+def test_config_rejects_autotp_and_load_balance_coeff(section, path):
     with pytest.raises(ConfigError) as err:
         load_config({"train_batch_size": 2, "expert_parallel": {"enabled": True, "preset_model": "mixtral"}, **section})
     assert err.value.paths == [path]
@@ -321,7 +320,7 @@ def test_zero3_partitioned_parameters_are_rejected():
     model = _model("mixtral")
     model.model.layers[0].mlp.experts.gate_up_proj.ds_id = 0  # what ZeRO-3's partitioning leaves on a parameter
     model.model.layers[0].mlp.experts.gate_up_proj.ds_shape = model.model.layers[0].mlp.experts.gate_up_proj.shape
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3: .*ZeRO-3 partitioned.*stages 0, 1 and 2"):
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=3: .*ZeRO-3 partitioned.*outside zero.Init"):
         apply_autoep(model, _ep(1))
 
 

@@ -56,7 +56,7 @@ def _norm_groups_body() -> dict:
     groups = optimizer._get_norm_groups()
     total = float(torch.linalg.vector_norm(torch.stack(groups)))
     engine.step()
-    return {"groups": len(groups), "total": total, "step": optimizer._global_grad_norm}
+    return {"groups": len(groups), "total": total, "step": float(optimizer._global_grad_norm)}
 
 
 def test_norm_groups_combine_to_the_steps_global_norm():

@@ -50,10 +50,7 @@ def _parallel(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
             out.append(ConfigProblem("fp16.enabled", "AutoTP (tensor_parallel.autotp_size > 1) with ZeRO stage 3 "
                                      "trains in bf16 or fp32: fp16's overflow check would not span the "
                                      "tensor-parallel group; accepted: false (or ZeRO stage 0, 1, 2)", True))
-    if cfg.expert_parallel.enabled and stage == 3:
-        out.append(ConfigProblem("expert_parallel.enabled", "AutoEP supports ZeRO stages 0, 1 and 2 only: "
-                                 "ZeRO-3's partitioned parameters are outside AutoEP's scope "
-                                 "(zero_optimization.stage is 3)"))
+    # AutoEP with ZeRO stage 3: the engine checks what it cannot combine with (MiCS, hpZ, qgZ, sequence parallel)
     if cfg.expert_parallel.enabled and cfg.tensor_parallel.enabled:
         out.append(ConfigProblem("expert_parallel.enabled", "AutoEP cannot be combined with AutoTP "
                                  f"(tensor_parallel.autotp_size={cfg.tensor_parallel.autotp_size} > 1) yet"))

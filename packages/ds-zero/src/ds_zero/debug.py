@@ -83,6 +83,8 @@ def _ranks_of(opt: Any, group: Any) -> tuple[Any, int]:
     expert-data-parallel group), else the optimizer's data-parallel group."""
     if isinstance(group, FlatGroup):
         return group.process_group, group.layout.world_size
+    if group.params and group.layout.world != opt.world:  # ZeRO-3 AutoEP experts: their expert-data-parallel group
+        return group.params[0].ds_space.group, group.layout.world
     return opt.dp_group, opt.world
 
 

@@ -75,6 +75,11 @@ AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
 AUTOEP_EP_SIZE = "ep_size"
 # the fields every AutoEP layer entry of a ZeRO-1/2 checkpoint holds (DeepSpeed reads them when converting)
 AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)
+# ZeRO-3: the experts are saved as partitions over their expert-data-parallel group in each rank's ZeRO files
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
+AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY = "checkpoint_format_version"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION = 1
 EP_IS_EXPERT_PARAM = "is_expert_param"
 EP_NUM_EXPERTS = "ep_num_experts"
 EXPERT_PARAMETER_PATTERNS = "expert_parameter_patterns"

@@ -77,7 +77,9 @@ def apply_autoep(model: nn.Module, config: Any, world_size: int | None = None,
     for spec in specs:
         if any(hasattr(p, "ds_id") for p in model.get_submodule(spec.moe_module_name).parameters()):
             raise ValueError(f"zero_optimization.stage=3: the parameters of '{spec.moe_module_name}' are ZeRO-3 "
-                             "partitioned; AutoEP supports ZeRO stages 0, 1 and 2 only")
+                             "partitioned (built under zero.Init); AutoEP builds its experts from whole source "
+                             "weights: build the model outside zero.Init (the engine partitions it, experts over "
+                             "their expert-data-parallel group)")
     group, rank = _expert_parallel_rank(config.autoep_size, use_data_before_expert_parallel)
     auto_ep.replace_moe_layers(specs, config.autoep_size, rank)
     for spec in specs:

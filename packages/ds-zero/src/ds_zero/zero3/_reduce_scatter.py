@@ -59,9 +59,12 @@ class ReduceScatter:
 
     def __init__(self, params: list[torch.nn.Parameter], add_to_partition: Callable, settings: ReduceSettings,
                  comm: Any, group: Any, world: int, rank: int, comm_dtype: torch.dtype,
-                 end_pass: Callable[[], None]) -> None:
+                 end_pass: Callable[[], None], average_over: int | None = None) -> None:
         self.settings, self.comm, self.group = settings, comm, group
         self.world, self.rank = world, rank
+        # the divisor of the summed gradient: the group's size, or the data-parallel size for parameters
+        # partitioned over a smaller group (AutoEP experts: averaged over every token of the batch)
+        self.average_over = average_over or world
         self.comm_dtype = comm_dtype
         self.add_to_partition = add_to_partition
         self.end_pass = end_pass
@@ -249,7 +252,7 @@ class ReduceScatter:
             bucket.received = None
         else:
             result = bucket.result
-        world = self.world
+        world = self.average_over
         if self.replica is not None and self.replica.world > 1:  # MiCS: the shard's sum over every shard group
             all_reduce_sum(result, self.replica.group, self.replica.world, self.comm, "grad_replica")
             world *= self.replica.world

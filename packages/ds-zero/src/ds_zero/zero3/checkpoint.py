@@ -19,6 +19,7 @@ from ds_zero.zero3.param import partition_numel
 
 FP32_GROUPS = "fp32_flat_groups"
 BASE_STATE = "optimizer_state_dict"
+PARTITION_GROUPS = "ds_zero_partition_groups"  # sub-groups over another group than the data-parallel one
 
 
 def stage3_state_dict(opt: Any) -> dict[str, Any]:
@@ -33,6 +34,7 @@ def stage3_state_dict(opt: Any) -> dict[str, Any]:
         FP32_GROUPS: [g.master.detach() for g in opt.groups],
         "zero_layout": [{"names": list(g.names), "numels": [int(p.ds_numel) for p in g.params]}
                         for g in opt.groups],
+        **({PARTITION_GROUPS: groups} if (groups := opt._zero3_partition_group_metadata()) else {}),
     }
 
 
@@ -76,7 +78,7 @@ def _cut(opt: Any, g: int, whole: dict[str, torch.Tensor], what: str) -> torch.T
             raise ValueError(f"ZeRO-3 {what}: parameter {name} has {value.numel()} elements in the checkpoint and "
                              f"{p.ds_numel} (shape {tuple(p.ds_shape)}) in the model")
         part = p.ds_tensor.numel()
-        start = min(opt.rank * part, p.ds_numel)
+        start = min(p.ds_space.rank * part, p.ds_numel)  # its own partition group's rank (AutoEP experts)
         end = min(start + part, p.ds_numel)
         out[offset:offset + end - start] = value[start:end].float()
     return out
@@ -93,6 +95,11 @@ def _same_layout(opt: Any, states: Sequence[dict[str, Any]]) -> bool:
 
 def load_stage3_state(opt: Any, states: Sequence[dict[str, Any]]) -> None:
     _check(opt, states)
+    saved_groups = states[0].get(PARTITION_GROUPS)
+    if saved_groups is not None and saved_groups != opt._zero3_partition_group_metadata():
+        raise ValueError(f"ZeRO-3 optimizer state: its partition groups ({PARTITION_GROUPS}: sub-groups over AutoEP "
+                         "expert-data-parallel groups) differ from this optimizer's; it loads onto the same world size "
+                         "and autoep_size only (convert it with ds_to_universal.py to change either)")
     first = states[0]
     with_state = getattr(opt, "restore_optimizer_state", True)  # False: the weights alone (load_module_only)
     if with_state and opt.loss_scaler is not None and first.get("loss_scaler"):
@@ -139,6 +146,10 @@ def _whole_by_name(states: Sequence[dict[str, Any]], opt: Any, pick: Any) -> dic
 def _repartition(opt: Any, states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Cut every saved rank's partitions again for this rank (another world size, or other sub-group bounds):
     each parameter's whole value is put together by name, then this rank's slice is taken."""
+    if opt._zero3_partition_group_metadata() is not None:
+        raise ValueError("ZeRO-3 optimizer state: AutoEP expert partitions (over each expert-data-parallel group) "
+                         "load onto the same world size and autoep_size only; convert the checkpoint with "
+                         "ds_to_universal.py and load it with checkpoint.load_universal to change either")
     masters_by_name = _whole_by_name(states, opt, lambda sd, g: sd[FP32_GROUPS][g])
     trained = {n for group in opt.groups for n in group.names}
     extra = [n for n in masters_by_name if n not in trained]

@@ -131,7 +131,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
                      for key in universal_keys(ctx.tag_dir, group.names, with_state)}
             for name, p, offset in zip(group.names, group.params, group.offsets, strict=True):
                 part = p.ds_tensor.numel()
-                start = min(opt.rank * part, p.ds_numel)
+                start = min(p.ds_space.rank * part, p.ds_numel)
                 end = min(start + part, p.ds_numel)
                 if start >= end:
                     continue

@@ -37,7 +37,7 @@ from ds_zero.partition import Fragment
 from ds_zero.registry import register
 from ds_zero.stage_1_and_2 import ReduceSettings
 from ds_zero.swap.param_swapper import is_swapped
-from ds_zero.zero3._reduce_scatter import ReduceScatter
+from ds_zero.zero3.expert_groups import PartitionGroupQueries, build_reducer, split_by_space
 from ds_zero.zero3.leaf import leaf_parameters
 from ds_zero.zero3.param import partition_copy
 from ds_zero.zero3.parameter_offload import DeepSpeedZeRoOffload
@@ -216,7 +216,7 @@ def is_ds_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return check(optimizer)
 
 
-class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed's class name)
+class DeepSpeedZeroOptimizer_Stage3(PartitionGroupQueries, LossScaledWrapper):  # noqa: N801 (DeepSpeed's class name)
     """ZeRO stage 3 wrapper around ``init_optimizer`` (a torch optimizer over the model's partitioned parameters).
 
     ``scheduler``: the :class:`ParamScheduler` of the partitioned model; ``names``: parameter -> name;
@@ -255,7 +255,7 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         low = params[0].dtype if params else torch.float32
         comm_dtype = settings.reduce.comm_dtype or low
-        self.reducer = ReduceScatter(params, self._add_grad, settings.reduce, comm, dp_group, self.world,
+        self.reducer = build_reducer(params, self._add_grad, settings.reduce, comm, dp_group, self.world,
                                      self.rank, comm_dtype, scheduler.end_pass)
         scheduler.ends_with_backward = True
         register(self, [p for g in self.groups for p in g.params])
@@ -282,7 +282,8 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
             if bad:
                 raise ValueError(f"ZeRO-3: optimizer parameters of shapes {bad[:5]} are not partitioned parameters "
                                  "of the model (pass the model's own parameters to the optimizer)")
-            chunks += [(gi, chunk) for chunk in _sub_groups(params, max(1, s.sub_group_size))]
+            for run in split_by_space(params) or [params]:  # a sub-group's partitions share one partition group
+                chunks += [(gi, chunk) for chunk in _sub_groups(run, max(1, s.sub_group_size))]
         self._plan_swap(chunks)
         groups, masters = [], [[] for _ in self.optimizer.param_groups]
         for i, (gi, chunk) in enumerate(chunks):
@@ -369,8 +370,8 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
             for g in self.groups]
 
     @property
-    def _global_grad_norm(self) -> float | None:  # DeepSpeed's name for the last step's norm
-        return self.global_grad_norm
+    def _global_grad_norm(self) -> torch.Tensor | None:  # DeepSpeed's name for the last step's norm (a tensor)
+        return None if self.global_grad_norm is None else torch.tensor(self.global_grad_norm)
 
     def step(self) -> bool:
         if self.swapper is not None:
@@ -574,6 +575,11 @@ class DeepSpeedZeroOptimizer_Stage3(LossScaledWrapper):  # noqa: N801 (DeepSpeed
     def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
         """DeepSpeed's name for each sub-group's flat fp32 master partition."""
         return [g.master for g in self.groups]
+
+    @property
+    def fp16_partitioned_groups_flat(self) -> list[torch.Tensor | None]:
+        """DeepSpeed's name for each sub-group's flat low-precision partition (None where it is on NVMe)."""
+        return [g.lp_flat for g in self.groups]
 
     @property
     def fp16_groups(self) -> list[list[torch.nn.Parameter]]:

@@ -23,6 +23,10 @@ import torch
 from deepspeed.checkpoint.autoep_universal import EXPERT_WEIGHT_NAMES
 from deepspeed.checkpoint.constants import (
     AUTOEP_LAYERS_KEY,
+    AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY,
+    AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION,
+    AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY,
+    AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT,
     EXPERT_PARAMETER_PATTERNS,
     UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -81,6 +85,9 @@ class AutoEPCheckpointShards:
         for _, layer in self.layers:
             for param in layer.experts.parameters():
                 setattr(param, EXPERT_ROWS_ATTR, (layer.ep_rank, layer.ep_size))
+        # ZeRO-3: the experts are partitions over their expert-data-parallel group, saved in every rank's ZeRO
+        # files like any other partitioned parameter (no per-expert files)
+        self.zero3 = getattr(engine, "zero3_scheduler", None) is not None
 
     def _entries(self) -> list[dict[str, Any]]:
         from ds_moe import groups
@@ -93,11 +100,17 @@ class AutoEPCheckpointShards:
                    if group in groups._get_expert_parallel_group_dict() else (0, 1))
             entries.append({"moe_layer_id": layer_id, "module_path": name, "num_experts": layer.num_experts,
                             "num_local_experts": layer.num_local_experts, "ep_size": layer.ep_size,
-                            "expert_key_prefix": _prefix(name), "expert_state_format": "per_expert_files",
+                            "expert_key_prefix": _prefix(name), **self._format(),
                             "ep_group_name": layer.ep_group_name, "ep_rank": layer.ep_rank,
                             "expert_data_parallel_rank": edp[0], "expert_data_parallel_world_size": edp[1],
                             "global_expert_start": first, "global_expert_end": first + layer.num_local_experts})
         return entries
+
+    def _format(self) -> dict[str, Any]:
+        if self.zero3:
+            return {AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY: AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT,
+                    AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY: AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION}
+        return {"expert_state_format": "per_expert_files"}
 
     def model_state_extras(self) -> dict[str, Any]:
         entries = self._entries()
@@ -108,6 +121,8 @@ class AutoEPCheckpointShards:
         return {AUTOEP_LAYERS_KEY: entries, UNIVERSAL_CHECKPOINT_INFO: info}
 
     def strip_module_state(self, weights: dict[str, Any]) -> dict[str, Any]:
+        if self.zero3:  # partitioned like every other weight: the ZeRO-3 files hold them
+            return weights
         fused = {f"{_prefix(name)}.{w}" for name, _ in self.layers for w in EXPERT_WEIGHT_NAMES}
         return {k: v for k, v in weights.items() if k not in fused}
 
@@ -115,6 +130,8 @@ class AutoEPCheckpointShards:
         from ds_moe import groups
 
         files: dict[str, Any] = {}
+        if self.zero3:
+            return files
         mp = ctx.parallel.mp_rank
         for layer_id, (name, layer) in enumerate(self.layers):
             group = layer.ep_group_name
@@ -130,6 +147,8 @@ class AutoEPCheckpointShards:
     def complete_module_state(self, weights: dict[str, Any], load: Callable[[str], Any]) -> dict[str, Any]:
         """Stack this rank's experts (by global id) from the per-expert files into the fused weights."""
         mp = self.engine.mp_rank
+        if self.zero3:
+            return weights
         for layer_id, (name, layer) in enumerate(self.layers):
             if all(f"{_prefix(name)}.{w}" in weights for w in EXPERT_WEIGHT_NAMES):
                 continue  # saved with the fused weights in the model states (same autoep_size only)
@@ -143,6 +162,8 @@ class AutoEPCheckpointShards:
     def prepare_load(self, ctx: ShardContext, load: Callable[[str], Any]) -> Callable[[], None]:
         """Check the saved ``ds_autoep_layers`` against this model (the weights come through complete_module_state)."""
         name = f"mp_rank_{ctx.parallel.mp_rank:02d}_model_states.pt"
+        if self.zero3:  # ZeRO-3 writes a model-states file per data-parallel rank
+            name = f"zero_pp_rank_0_{name}"
         saved = load(name).get(AUTOEP_LAYERS_KEY)
         if saved is not None:
             self.check_saved_layers(validate_autoep_layers(saved, name), name)

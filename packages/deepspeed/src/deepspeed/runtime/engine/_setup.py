@@ -73,17 +73,18 @@ def distribute_module(engine: Any, config: Any, mpu: Any) -> None:
     each module under ZeRO-3, else None)."""
     engine.has_moe_layers = _moe.has_moe(engine.module)
     if engine.has_moe_layers:
-        if config.zero_stage == 3:
-            raise _moe.MoEWithZeroStage3(ConfigProblem(
-                "zero_optimization.stage", "Native DeepSpeed MoE is not supported with ZeRO Stage 3: MoE layers "
-                "(ds_moe / deepspeed.moe, AutoEP) train with ZeRO stages 0-2 in this version; accepted: 0, 1, 2", 3))
+        if config.zero_stage == 3:  # AutoEP layers only, without MiCS/hpZ/qgZ/sequence parallelism
+            engine._validate_zero3_moe_compatibility()
         _moe.configure(engine.module, mpu, config.use_data_before_expert_parallelism)
     engine.zero3_scheduler = None
     if config.zero_stage == 3:
         from deepspeed.runtime.engine._zero3 import partition_model
 
-        # partitioned over the sequence-data group: sequence ranks hold the same weights (DeepSpeed's seq_dp)
-        engine.zero3_scheduler = partition_model(engine.module, config, engine.seq_dp_group, engine.device, mpu)
+        # partitioned over the sequence-data group: sequence ranks hold the same weights (DeepSpeed's seq_dp);
+        # AutoEP experts over their expert-data-parallel groups
+        placements = _moe.zero3_placements(engine.module) if engine.has_moe_layers else ()
+        engine.zero3_scheduler = partition_model(engine.module, config, engine.seq_dp_group, engine.device, mpu,
+                                                 placements=placements)
     elif engine.has_moe_layers:
         _moe.broadcast_module(engine.module, engine.dp_group)
     else:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed import comm
+from deepspeed.runtime.engine._moe import MoEWithZeroStage3
 from deepspeed.runtime.engine._precision import comm_dtype, grad_accum_fp32, loss_scaler
 from deepspeed.runtime.engine._stages import StageInputs
 from deepspeed.runtime.engine._zero import offload_pinning, zero_plus_plus_problems
@@ -81,12 +82,15 @@ def _partition_device(config: Any, device: torch.device) -> torch.device:
 
 
 def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device: torch.device,
-                    mpu: Any = None) -> Any:
+                    mpu: Any = None, placements: Any = ()) -> Any:
     """Partition every parameter of ``module`` over ``dp_group`` (those built under ``zero.Init`` already are)
-    and install the gather/release hooks; returns the ``ParamScheduler``."""
+    and install the gather/release hooks; returns the ``ParamScheduler``. ``placements``
+    (``ds_zero.zero3.expert_groups.PartitionGroup``): the groups AutoEP expert parameters are partitioned over
+    instead (their expert-data-parallel groups)."""
     from deepspeed.runtime.engine._module import LOW_DTYPES, broadcast_module
     from ds_zero.swap.from_config import param_swap_settings, swap_params
     from ds_zero.zero3.convert import convert_param
+    from ds_zero.zero3.expert_groups import PartitionSpaces, mark_partition_world, placement_name
     from ds_zero.zero3.param import PartitionSpace, is_partitioned
     from ds_zero.zero3.schedule import ParamScheduler
     from ds_zero.zero3.state_dict_hooks import install_state_dict_hooks
@@ -102,15 +106,22 @@ def partition_model(module: torch.nn.Module, config: Any, dp_group: Any, device:
                               fetch_all_reduce=bool(zero.use_all_reduce_for_fetch_params),
                               sequential=bool(zero.allgather_sequential))
     space = zeropp_space(space, dp_group, zpp)
+    spaces = PartitionSpaces(space, placements)
     whole = [p for p in module.parameters() if not is_partitioned(p)]
     adopted = [p for p in module.parameters() if is_partitioned(p)]
-    _check_same_ranks(adopted, space)
+    _check_placed(adopted, spaces)
+    _check_same_ranks([p for p in adopted if placement_name(p) is None], space)
     low = LOW_DTYPES.get(config.precision)  # the module cast leaves a zero.Init model's parameters to this step
     for p in adopted:
-        _adopt_partitioned(p, space, low or p.dtype)
-    broadcast_module(module, dp_group, params=whole)
+        _adopt_partitioned(p, spaces.space_for(p), low or p.dtype)
+    broadcast_module(module, dp_group, params=[p for p in whole if placement_name(p) is None])
+    if placements:  # an expert's value comes from the first rank of its expert-data-parallel group
+        from deepspeed.runtime.engine._moe import broadcast_experts
+
+        broadcast_experts([p for p in whole if placement_name(p) is not None])
     for p in whole:
-        convert_param(p, space, low)
+        convert_param(p, spaces.space_for(p), low)
+    mark_partition_world(list(module.parameters()))
     swap_params([p for p in module.parameters() if is_partitioned(p)],  # offload_param nvme: ZeRO-Infinity
                 param_swap_settings(zero.offload_param, config.aio))
     if zpp.zero_quantized_nontrainable_weights:  # frozen partitions stored int8 (those on NVMe keep their dtype)
@@ -144,6 +155,19 @@ def _check_same_ranks(adopted: list[torch.nn.Parameter], space: Any) -> None:
                 "with sequence parallelism, or this rank's MiCS shard group); build the model under zero.Init "
                 "(deepspeed.zero.MiCS_Init with mics_shard_size) with the same group or mpu as deepspeed.initialize",
                 3))
+
+
+def _check_placed(adopted: list[torch.nn.Parameter], spaces: Any) -> None:
+    """A parameter built under ``zero.Init`` that ZeRO-3 must partition over another group (an AutoEP expert over
+    its expert-data-parallel group) cannot be re-cut here: it must already be partitioned over that group."""
+    for p in adopted:
+        wanted = spaces.space_for(p)
+        if wanted is not spaces.default and _group_ranks(p.ds_space.group) != _group_ranks(wanted.group):
+            raise MoEWithZeroStage3(ConfigProblem(
+                "zero_optimization.stage", f"an AutoEP expert parameter (shape {tuple(p.ds_shape)}) is already "
+                f"ZeRO-partitioned over a non-expert process group (ranks {_group_ranks(p.ds_space.group)}); its "
+                f"expert-data-parallel group is ranks {_group_ranks(wanted.group)}: let AutoEP build the experts "
+                "(deepspeed.initialize) rather than partitioning them under zero.Init", 3))
 
 
 def _adopt_partitioned(param: torch.nn.Parameter, space: Any, dtype: torch.dtype) -> None:
@@ -218,9 +242,46 @@ def build_zero3_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRe
     return wrapper, wrapper.reducer
 
 
+_UNSET = object()
+
+
+def _setting(config: Any, *paths: str, default: Any = None) -> Any:
+    """The first of ``paths`` (dotted) that ``config`` has: DeepSpeed's config names, then ds_config's."""
+    for path in paths:
+        value = config
+        for part in path.split("."):
+            value = getattr(value, part, _UNSET)
+            if value is _UNSET:
+                break
+        else:
+            return value
+    return default
+
+
 class Zero3EngineMethods:
     zero3_scheduler: Any
     module: torch.nn.Module
+    _config: Any
+
+    def _validate_zero3_moe_compatibility(self) -> None:
+        """DeepSpeed's gate for MoE under ZeRO-3: AutoEP layers only, without AutoTP, sequence parallelism,
+        quantized gradients, MiCS or hpZ (``_moe.check_zero3_moe``)."""
+        if not getattr(self, "has_moe_layers", False):
+            return
+        from deepspeed.runtime.engine._moe import check_zero3_moe
+
+        cfg = self._config
+        quantized = getattr(self, "zero_quantized_gradients", None)
+        expert = _setting(cfg, "expert_parallel_config", "expert_parallel")
+        check_zero3_moe(
+            self.module, autotp_size=int(_setting(cfg, "tensor_parallel_config.autotp_size",
+                                                  "tensor_parallel.autotp_size", default=1) or 1),
+            sequence_parallel_size=int(getattr(self, "sequence_parallel_size", 1)),
+            quantized_gradients=lambda: bool(quantized()) if callable(quantized) else False,
+            mics_shard_size=int(_setting(cfg, "mics_shard_size", "zero_optimization.mics_shard_size", default=0)),
+            hpz_partition_size=int(_setting(cfg, "zero_config.zero_hpz_partition_size",
+                                            "zero_optimization.zero_hpz_partition_size", default=1)),
+            expert_tensor_parallel_size=int(getattr(expert, "expert_tensor_parallel_size", 1) or 1))
 
     def empty_partition_cache(self) -> None:
         """Release every gathered parameter, persistent ones included (they are gathered again when next used)."""
