@@ -91,8 +91,7 @@ ACTIVE = {"hybrid_engine.inference_tp_size": 2, "hybrid_engine.enable_cuda_graph
           "compile.free_activation_threshold": 1, "compile.offload_activation_pin_memory": False,
           "checkpoint.checkpoint_serialization": False, "checkpoint.writer": {"type": "python"},
           "tensor_parallel.injection_policy_tuple": (object,), "tensor_parallel.tp.mpu": object(),
-          "tensor_parallel.tp.tp_group": object(),
-          "expert_parallel.validate_folding_routing": True}
+          "tensor_parallel.tp.tp_group": object()}
 
 
 def test_every_inert_key_has_an_active_value_here():

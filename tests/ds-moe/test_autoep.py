@@ -285,8 +285,8 @@ def test_autoep_size_must_divide_num_experts():
 
 
 def test_autoep_size_must_divide_the_world_size():
-    with pytest.raises(ValueError, match=r"expert_parallel.autoep_size \* expert_tensor_parallel_size = 2 must "
-                                         r"divide the stage size \(world_size=3"):
+    with pytest.raises(ValueError, match=r"expert_parallel.autoep_size \* expert_parallel.expert_tensor_parallel_"
+                                         r"size \(2 \* 1 = 2\) must divide the stage size \(world_size=3"):
         apply_autoep(_model("mixtral"), _ep(2), world_size=3)
 
 
@@ -296,11 +296,10 @@ def test_autoep_size_above_one_needs_torch_distributed():
 
 
 @pytest.mark.parametrize(("section", "path"), [
-    ({"tensor_parallel": {"autotp_size": 2}}, "expert_parallel.enabled"),
     ({"expert_parallel": {"enabled": True, "preset_model": "deepseek_v3", "load_balance_coeff": 0.01}},
      "expert_parallel.load_balance_coeff"),
 ])
-def test_config_rejects_autotp_and_load_balance_coeff(section, path):
+def test_config_rejects_load_balance_coeff(section, path):  # AutoTP folds (tests/ds-moe/test_autoep_folding*.py)
     with pytest.raises(ConfigError) as err:
         load_config({"train_batch_size": 2, "expert_parallel": {"enabled": True, "preset_model": "mixtral"}, **section})
     assert err.value.paths == [path]

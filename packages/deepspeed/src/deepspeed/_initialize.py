@@ -53,15 +53,44 @@ def _pipeline_module(model: Any) -> Any:
     return model if module is not None and isinstance(model, module.PipelineModule) else None
 
 
+def _autoep_folding(ds_config: Any, mpu: Any) -> dict[str, Any] | None:
+    """The arguments of ``apply_autoep_folded`` when AutoEP meets AutoTP's tensor-parallel groups, else None."""
+    import torch.distributed as dist
+
+    if mpu is None or not hasattr(mpu, "get_tensor_model_parallel_group") or not dist.is_initialized():
+        return None
+    tp_group = mpu.get_tensor_model_parallel_group()
+    if dist.get_world_size(tp_group) <= 1:
+        return None
+    zero = ds_config.zero_optimization
+    return {"tp_group": tp_group, "dense_dp_group": mpu.get_data_parallel_group(), "zero_stage": ds_config.zero_stage,
+            "deepcompile_enabled": bool(ds_config.compile.deepcompile),
+            "tp_preset_model": ds_config.tensor_parallel.preset_model,
+            "use_data_before_expert_parallel": bool(ds_config.use_data_before_expert_parallelism),
+            "zero_offload_optimizer": _offloads(zero.offload_optimizer),
+            "zero_offload_param": _offloads(zero.offload_param)}
+
+
+def _offloads(section: Any) -> bool:
+    device = getattr(section, "device", None)
+    return getattr(device, "value", device) not in (None, "none")
+
+
 def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any,
-                  data_first: bool = False) -> tuple[Any, Any]:
+                  data_first: bool = False, folding: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """AutoEP: the model's Hugging Face MoE blocks become expert-parallel layers; a parameter list or a client
-    optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them)."""
+    optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them).
+    ``folding``: AutoEP folded onto AutoTP's tensor-parallel ranks (``ds_moe.autoep.folded``)."""
     import torch
 
-    from ds_moe.autoep import apply_autoep, remap_parameters
+    from ds_moe.autoep import apply_autoep, as_autoep_config, remap_parameters
 
-    apply_autoep(model, section, use_data_before_expert_parallel=data_first)  # the engine's group order
+    if folding is not None:
+        from ds_moe.autoep.folded import apply_autoep_folded
+
+        apply_autoep_folded(model, as_autoep_config(section), **folding)
+    else:
+        apply_autoep(model, section, use_data_before_expert_parallel=data_first)  # the engine's group order
     if isinstance(model_parameters, (list, tuple)):
         model_parameters = remap_parameters(model_parameters, model)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -118,7 +147,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     comm.configure(ds_config)
     if ds_config.expert_parallel.enabled:
         model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer,
-                                                    ds_config.use_data_before_expert_parallelism)
+                                                    ds_config.use_data_before_expert_parallelism,
+                                                    folding=_autoep_folding(ds_config, mpu))
     if ds_config.hybrid_engine.enabled:
         engine_class = _hybrid_engine_class(engine_class)
     engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,

@@ -51,9 +51,7 @@ def _parallel(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
                                      "trains in bf16 or fp32: fp16's overflow check would not span the "
                                      "tensor-parallel group; accepted: false (or ZeRO stage 0, 1, 2)", True))
     # AutoEP with ZeRO stage 3: the engine checks what it cannot combine with (MiCS, hpZ, qgZ, sequence parallel)
-    if cfg.expert_parallel.enabled and cfg.tensor_parallel.enabled:
-        out.append(ConfigProblem("expert_parallel.enabled", "AutoEP cannot be combined with AutoTP "
-                                 f"(tensor_parallel.autotp_size={cfg.tensor_parallel.autotp_size} > 1) yet"))
+    # AutoEP with AutoTP folds the expert groups onto the tensor-parallel ranks; ds_moe.autoep.folding checks it
     if cfg.compile.autosp and stage != 0:
         out.append(ConfigProblem("compile.passes", f"AutoSP requires ZeRO stage 0 (zero_optimization.stage is "
                                  f"{stage}): sequence sharding by the compiler is not supported with ZeRO yet"))

@@ -83,8 +83,6 @@ def _timer_off(v: Any) -> bool:
     return isinstance(v, dict) and isinstance(v.get("throughput"), dict) and v["throughput"].get("enabled") is False
 
 
-_AUTOEP = "AutoEP combined with AutoTP (expert-tensor-parallel folding, whose routing this checks) is not built"
-
 INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("hybrid_engine.inference_tp_size", _is(1), "the hybrid engine generates with the module's own layers "
              "on its training ranks; tensor-parallel generation with inference kernels is not built"),
@@ -126,7 +124,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("tensor_parallel.tp.tp_group", _is(None), "AutoTP training takes its groups from "
              "deepspeed.initialize's mpu argument"),
     # the other expert_parallel keys act (ds_moe.autoep); disable_triton_grouped_mm asks for what runs anyway
-    InertKey("expert_parallel.validate_folding_routing", _is(False), _AUTOEP),
 )
 
 

@@ -213,9 +213,6 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
     tp_size = _tp_size(config, mpu)
     if tp_size <= 1:
         return mpu, model_parameters, optimizer
-    if config.expert_parallel.enabled:
-        raise ConfigError(ConfigProblem("expert_parallel.enabled", "AutoEP cannot be combined with AutoTP "
-                                        "(tensor_parallel.autotp_size > 1)", True))
     if config.checkpoint.use_node_local_storage:
         raise ConfigError(ConfigProblem("checkpoint.use_node_local_storage", "AutoTP checkpoints gather the full "
                                         "weights over each tensor group, which needs every rank of the first group "

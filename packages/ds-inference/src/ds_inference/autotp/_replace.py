@@ -126,7 +126,52 @@ class AutoTP:
         """Shard ``r_module`` in place over ``mp_group``. With ``partition_config``: every module with a 2-D
         weight goes to :meth:`_replace_with_config` under its full path from ``r_module`` (the regex specs see
         ``layers.0.self_attn.q_proj``); without: the policy (``orig_layer_impl`` and ``all_reduce_linears`` when
-        given, else the heuristics) over the whole model."""
+        given, else the heuristics) over the whole model. AutoEP layers (``_is_autoep_layer``) keep their router
+        and experts (expert parallelism owns them); only their shared experts are sharded
+        (:meth:`_replace_autoep_shared_experts`)."""
+        base = ".".join(n for n in (prev_class_name, prev_name) if n)
+        autoep = [(name, module) for name, module in r_module.named_modules()
+                  if name and getattr(module, "_is_autoep_layer", False)]
+        autoep = [(name, module) for name, module in autoep  # outermost ones only
+                  if not any(name.startswith(other + ".") for other, _ in autoep)]
+        placeholders = []
+        for name, module in autoep:
+            parent_name, _, attr = name.rpartition(".")
+            parent = r_module.get_submodule(parent_name) if parent_name else r_module
+            setattr(parent, attr, nn.Identity())
+            placeholders.append((parent, attr, module))
+        try:
+            if any(True for _ in r_module.parameters()):
+                r_module = self._replace_plain(r_module, prev_name, prev_class_name)
+        finally:
+            for parent, attr, module in placeholders:
+                setattr(parent, attr, module)
+        for name, module in autoep:
+            self._replace_autoep_shared_experts(module, f"{base}.{name}" if base else name)
+        return r_module
+
+    def _replace_autoep_shared_experts(self, autoep_layer: nn.Module, autoep_name: str) -> None:
+        """Shard an AutoEP layer's ``shared_experts`` (and its gate, with a ``partition_config``) like any dense
+        MLP: by the layer specs under ``<autoep_name>.shared_experts...``, else by the heuristics."""
+        for child_name in ("shared_experts", "shared_experts_gate"):
+            child = getattr(autoep_layer, child_name, None)
+            if child is None:
+                continue
+            full_name = f"{autoep_name}.{child_name}"
+            if self.partition_config is not None:
+                if self._tied_gathered is None:
+                    self._tied_gathered = self._tied_gathered_columns()
+                weight = getattr(child, "weight", None)
+                if isinstance(weight, nn.Parameter) and weight.dim() == 2:
+                    setattr(autoep_layer, child_name, self._replace_with_config(child, full_name))
+                else:
+                    self._walk(child, full_name)
+            elif child_name == "shared_experts" and not isinstance(child, nn.Linear):
+                # a gated MLP: the heuristics split its projections (the 1-output gate stays replicated)
+                autotp_shard(child, self.mp_group, tp_grain_size=self.tp_grain_size,
+                             keep_module_on_host=self.keep_module_on_host)
+
+    def _replace_plain(self, r_module: nn.Module, prev_name: str, prev_class_name: str) -> nn.Module:
         if self.partition_config is None:
             policy = {self.orig_layer_impl: self.all_reduce_linears} if self.orig_layer_impl is not None else None
             return autotp_shard(r_module, self.mp_group, injection_policy=policy, tp_grain_size=self.tp_grain_size,

@@ -13,6 +13,7 @@ import logging
 import math
 from typing import Any
 
+from ds_moe.autoep.folding import build_folding_spec, validate_folding_global
 from ds_moe.autoep.presets import PRESET_MODELS, available_preset_names, resolve_autoep_config_defaults
 from ds_moe.autoep.spec import (
     _UNSET,
@@ -62,35 +63,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_topology(config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int) -> None:
-    for name, value in (("world_size", world_size), ("pp_size", pp_size), ("tp_size", tp_size),
-                        ("expert_parallel.autoep_size", config.autoep_size),
-                        ("expert_parallel.expert_tensor_parallel_size", config.expert_tensor_parallel_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if world_size % pp_size:
-        raise ValueError(f"pp_size={pp_size} must divide world_size={world_size}")
-    stage = world_size // pp_size
-    if stage % tp_size:
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} must divide the stage size (world_size={world_size} "
-                         f"/ pp_size={pp_size} = {stage}); valid values: {_divisors(stage)}")
-    width = config.autoep_size * config.expert_tensor_parallel_size
-    if stage % width:
-        raise ValueError(f"expert_parallel.autoep_size * expert_tensor_parallel_size = {width} must divide the stage "
-                         f"size (world_size={world_size} / pp_size={pp_size} = {stage}); valid expert widths: "
-                         f"{_divisors(stage)}")
-    if config.expert_tensor_parallel_size != 1:
-        raise ValueError(f"expert_parallel.expert_tensor_parallel_size={config.expert_tensor_parallel_size}: expert-"
-                         "internal tensor parallelism is not supported; use expert_tensor_parallel_size=1")
-    if tp_size > 1 and sp_size > 1:
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} and sequence parallelism (size {sp_size}) cannot be "
-                         "combined with AutoEP")
-
-
-def validate_autoep_config(config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int,
-                           **_context: Any) -> None:
+def validate_autoep_config(config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int, *,
+                           zero_stage: int = 0, deepcompile_enabled: bool = False,
+                           tp_preset_model: str | None = None, use_data_before_expert_parallel: bool = False,
+                           mpu: Any = None, zero_offload_optimizer: bool = False,
+                           zero_offload_param: bool = False) -> None:
     """Raise ``ValueError`` naming the key when the section is inconsistent or does not fit the topology.
-    ``_context`` (``zero_stage``, ``mpu``, ...: DeepSpeed's keyword arguments) is accepted and not needed here."""
+    ``tp_size > 1`` means AutoEP folded onto AutoTP (``ds_moe.autoep.folding``): the keyword arguments are the
+    run's features that folding refuses (ZeRO-3, offload, DeepCompile, data-before-expert rank order, ...)."""
     if config.load_balance_coeff is not None:
         _raise_unsupported_load_balance_coeff(config.load_balance_coeff)
     if not isinstance(config.validate_folding_routing, bool):
@@ -98,7 +78,13 @@ def validate_autoep_config(config: AutoEPConfig, world_size: int, pp_size: int, 
                          f"{config.validate_folding_routing!r}")
     if not config.enabled:
         return
-    _check_topology(config, world_size, pp_size, max(tp_size, 1), sp_size)
+    tp_size = max(tp_size, 1)
+    spec = build_folding_spec(world_size=world_size, pp_size=pp_size, tp_size=tp_size, ep_size=config.autoep_size,
+                              etp_size=config.expert_tensor_parallel_size, mp_mode="tp" if tp_size > 1 else "sp")
+    validate_folding_global(spec, zero_stage=zero_stage, sp_size=sp_size, deepcompile_enabled=deepcompile_enabled,
+                            use_data_before_expert_parallel=use_data_before_expert_parallel, mpu=mpu,
+                            tp_preset=tp_preset_model, ep_preset=config.preset_model,
+                            zero_offload_optimizer=zero_offload_optimizer, zero_offload_param=zero_offload_param)
     if config.preset_model is not None and config.preset_model not in PRESET_MODELS:
         raise ValueError(f"expert_parallel.preset_model: unknown preset '{config.preset_model}'; available presets: "
                          f"{list(available_preset_names())}")

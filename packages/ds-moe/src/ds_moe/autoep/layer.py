@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ds_moe import groups
 from ds_moe.autoep._comm import _AllToAllV
+from ds_moe.autoep.folded_forward import folded_expert_combine
 from ds_moe.autoep.presets import resolve_autoep_config_defaults
 from ds_moe.autoep.spec import AutoEPConfig, MoELayerSpec
 from ds_moe.ep_count import count_tokens_per_expert
@@ -167,6 +168,8 @@ class AutoEPMoELayer(nn.Module):
         self.hidden_size = spec.hidden_size
         self.ep_group_name = f"ep_size_{ep_size}"
         self.ep_group: Any = None  # bound by set_deepspeed_parallelism()
+        self.folding_group_handles: Any = None  # AutoEP folded onto AutoTP (ds_moe.autoep.folded)
+        self.tp_group: Any = None
         self.validate_folding_routing = bool(resolved.validate_folding_routing)
         # Mixtral's multiplicative input jitter in training, drawn as its block draws it
         self.jitter_noise = float(getattr(source_module, "jitter_noise", 0.0) or 0.0)
@@ -248,9 +251,13 @@ class AutoEPMoELayer(nn.Module):
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
                                   folding_group_handles: Any = None) -> None:
-        """Create (once per size) the ``ep_size_<n>`` groups and bind this layer's expert-parallel group."""
+        """Create (once per size) the ``ep_size_<n>`` groups and bind this layer's expert-parallel group; with
+        ``folding_group_handles`` (a ``FoldingGroupHandles``) bind its expert and tensor-parallel groups instead."""
         if folding_group_handles is not None:
-            raise ValueError("AutoEP+AutoTP folding (folding_group_handles) is not supported by this build")
+            self._bind_folding(folding_group_handles)
+            return
+        if self.folding_group_handles is not None:
+            return  # folded: the engine's plain setup call keeps the folded groups
         if not (dist.is_available() and dist.is_initialized()):
             if self.ep_size > 1:
                 raise RuntimeError(f"AutoEP with autoep_size={self.ep_size} needs torch.distributed initialised")
@@ -264,6 +271,17 @@ class AutoEPMoELayer(nn.Module):
             raise RuntimeError(f"AutoEP layer '{self.spec.moe_module_name}' holds the experts of expert-parallel "
                                f"rank {self.ep_rank}, but this process is rank {rank} of {self.ep_group_name}")
         self.ep_group = group
+
+    def _bind_folding(self, handles: Any) -> None:
+        if handles.spec.ep_size != self.ep_size:
+            raise ValueError(f"AutoEP layer '{self.spec.moe_module_name}' has ep_size={self.ep_size}, the folding "
+                             f"handles are for autoep_size={handles.spec.ep_size}")
+        rank = dist.get_rank(group=handles.ep_group)
+        if rank != self.ep_rank:
+            raise RuntimeError(f"AutoEP layer '{self.spec.moe_module_name}' holds the experts of expert-parallel "
+                               f"rank {self.ep_rank}, but this process is rank {rank} of {handles.ep_group_name}")
+        self.folding_group_handles, self.tp_group = handles, handles.tp_group
+        self.ep_group, self.ep_group_name = handles.ep_group, handles.ep_group_name
 
     def _dispatch(self, routed_input: Tensor, router: RouterOutput, expert_ids: Tensor) -> Tensor:
         """Expert outputs for ``routed_input`` (rows sorted by global expert), in the same order."""
@@ -298,9 +316,13 @@ class AutoEPMoELayer(nn.Module):
         scores_sorted = router.top_scores.reshape(-1).index_select(0, order)
         routed_input = apply_scores_before_experts_if_enabled(x.index_select(0, order // self.top_k), scores_sorted,
                                                               self.score_apply)
-        expert_output = self._dispatch(routed_input, router, router.selected_experts.reshape(-1).index_select(0, order))
-        output = combine_from_routed(expert_output, router.top_scores, order, self.top_k, self.score_apply,
-                                     self.combine_impl, (1, x.shape[0], hdim))
+        if self.folding_group_handles is not None and self.folding_group_handles.spec.tp_size > 1:
+            output = folded_expert_combine(self, routed_input, router, order, scores_sorted).reshape(1, -1, hdim)
+        else:
+            expert_output = self._dispatch(routed_input, router,
+                                           router.selected_experts.reshape(-1).index_select(0, order))
+            output = combine_from_routed(expert_output, router.top_scores, order, self.top_k, self.score_apply,
+                                         self.combine_impl, (1, x.shape[0], hdim))
         if self.moe_output_shape == "flat":
             output = output.reshape(-1, hdim)
         else:
