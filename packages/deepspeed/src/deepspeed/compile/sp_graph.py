@@ -65,7 +65,7 @@ def _shape_meta(node: Node) -> Any:
     return value if value is not None else node.meta.get("example_value")
 
 
-def _after_placeholders(gm: GraphModule, node: Node) -> Node:
+def after_placeholders(gm: GraphModule, node: Node) -> Node:
     """Where new nodes depending on ``node`` go: after it and after every placeholder (graph inputs stay first,
     whatever order Dynamo gave the SymInt and tensor placeholders)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -79,7 +79,7 @@ def create_shard_offsets(gm: GraphModule, s0_node: Node) -> tuple[Node, Node]:
     constant: a graph is compiled per rank."""
     sp = sp_dp_registry.sp_size()
     rank = dist.get_rank() % sp
-    with gm.graph.inserting_after(_after_placeholders(gm, s0_node)):
+    with gm.graph.inserting_after(after_placeholders(gm, s0_node)):
         chunk = gm.graph.call_function(operator.floordiv, (s0_node, sp))
     with gm.graph.inserting_after(chunk):
         start = gm.graph.call_function(operator.mul, (rank, chunk))

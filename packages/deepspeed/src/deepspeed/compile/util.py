@@ -215,5 +215,11 @@ def get_index_by_graph_id(graph_order: list[tuple[int, bool]], target_graph_id: 
 
 # AutoSP's graph helpers, at DeepSpeed's path (they live in sp_graph)
 from deepspeed.compile.sp_graph import (  # noqa: E402, F401
-    create_shard_offsets, create_symbolic_slice_indices, get_input_id_node, get_label_id_node, get_position_id_node,
-    get_sdpa_nodes, shard_tensor_node)
+    create_shard_offsets,
+    create_symbolic_slice_indices,
+    get_input_id_node,
+    get_label_id_node,
+    get_position_id_node,
+    get_sdpa_nodes,
+    shard_tensor_node,
+)

@@ -27,6 +27,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 enabled = True
 """AutoSP compiles with the optimization (the spec makes it part of AutoSP); a switch for measurements only."""
 
+
+def register_long_context_checkpointing() -> None:
+    """DeepSpeed's entry point: turn the optimization on for AutoSP backends built from now on (it is on by
+    default; here it changes no torch internals, the policy travels with each compiled graph)."""
+    global enabled
+    enabled = True
+
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 

@@ -17,6 +17,9 @@ be whole: a graph break would cut the path from the inputs to the attention, so 
 
 from __future__ import annotations
 
+import logging
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,16 +29,34 @@ from torch.fx import GraphModule, Node
 from torch.overrides import TorchFunctionMode
 
 from deepspeed.compile import all_to_all as _all_to_all
+from deepspeed.compile import constants
+from deepspeed.compile.custom_ops import sp_dp_registry
+from deepspeed.compile.sp_graph import (
+    after_placeholders,
+    get_input_id_node,
+    get_label_id_node,
+    get_position_id_node,
+    get_sdpa_nodes,
+    sequence_symbol_node,
+    shard_tensor_node,
+)
 
-INPUT_ID, LABEL_ID, POSITION_ID = "input_id", "label_id", "position_id"  # DeepSpeed's tags
+logger = logging.getLogger(__name__)
+
+INPUT_ID, LABEL_ID, POSITION_ID = (constants.AUTOSP_INPUT_ID_KEY, constants.AUTOSP_LABEL_ID_KEY,
+                                   constants.AUTOSP_POSITION_ID_KEY)
 _SHARDED_TAGS = (INPUT_ID, LABEL_ID, POSITION_ID)
+SEQ_DIM_ATTR = "autosp_seq_dim"
+"""The attribute holding a marked tensor's sequence dimension (absent: 1, the dimension DeepSpeed's pass uses)."""
 
 
 def prepare_autosp_inputs(input_id: torch.Tensor, label_id: torch.Tensor, position_id: torch.Tensor | None = None,
                           attention_mask: torch.Tensor | None = None, seq_dim: int = 1) -> tuple:
     """Mark the tensors AutoSP splits along the sequence (``seq_dim``): ``input_id``, ``label_id`` and, if given,
-    ``position_id``. Returns ``(input_id, label_id, position_id, attention_mask)``; the attention mask is checked
-    but stays whole (its key dimension must cover the full sequence)."""
+    ``position_id`` get DeepSpeed's ``tag`` (``constants.AUTOSP_*_KEY``), and every given tensor's ``seq_dim`` is
+    marked dynamic for Dynamo (``maybe_mark_dynamic``: a model that needs the length constant still compiles).
+    Returns ``(input_id, label_id, position_id, attention_mask)``; the attention mask is not sharded (its key
+    dimension must cover the full sequence)."""
     if input_id is None:
         raise ValueError("prepare_autosp_inputs: input_id is required")
     if label_id is None:
@@ -53,17 +74,20 @@ def prepare_autosp_inputs(input_id: torch.Tensor, label_id: torch.Tensor, positi
         if tensor.shape[seq_dim] != input_id.shape[seq_dim]:
             raise ValueError(f"prepare_autosp_inputs: {name} has {tensor.shape[seq_dim]} positions along seq_dim="
                              f"{seq_dim}, input_id has {input_id.shape[seq_dim]}")
+        torch._dynamo.maybe_mark_dynamic(tensor, seq_dim)  # a hint: code that specializes it is no error
     for tag, tensor in ((INPUT_ID, input_id), (LABEL_ID, label_id), (POSITION_ID, position_id)):
         if tensor is not None:
-            tensor.tag = (tag, seq_dim)  # DeepSpeed's marker: (role, sequence dimension)
+            tensor.tag = tag
+            setattr(tensor, SEQ_DIM_ATTR, seq_dim)
     return input_id, label_id, position_id, attention_mask
 
 
 def autosp_tag(value: Any) -> tuple[str, int] | None:
-    """``(role, seq_dim)`` of a tensor marked by ``prepare_autosp_inputs`` for sharding, else None."""
+    """``(role, seq_dim)`` of a tensor marked for sharding (by ``prepare_autosp_inputs``, or by hand with
+    ``tensor.tag = constants.AUTOSP_INPUT_ID_KEY`` etc.: sequence dimension 1), else None."""
     tag = getattr(value, "tag", None) if isinstance(value, torch.Tensor) else None
-    if isinstance(tag, tuple) and len(tag) == 2 and tag[0] in _SHARDED_TAGS:
-        return tag
+    if isinstance(tag, str) and tag in _SHARDED_TAGS:
+        return tag, getattr(value, SEQ_DIM_ATTR, 1)
     return None
 
 
@@ -161,10 +185,6 @@ class UlyssesAttentionMode(TorchFunctionMode):
 
 
 # ---- the graph pass --------------------------------------------------------------------------------------------
-def sdpa_nodes(gm: GraphModule) -> list[Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
-
-
 def _meta(node: Any) -> Any:
     if not isinstance(node, Node):
         return node
@@ -178,7 +198,7 @@ def _is_exchange(node: Any) -> bool:
 def autosp_pass(gm: GraphModule, group: int) -> GraphModule:
     """Check the captured graph: it has SDPA, and every SDPA runs between the Ulysses all-to-alls over ``group``;
     an SDPA that could not be wrapped raises the reason."""
-    nodes = sdpa_nodes(gm)
+    nodes = get_sdpa_nodes(gm)
     if not nodes:
         raise RuntimeError("AutoSP found no torch.nn.functional.scaled_dot_product_attention in the compiled graph; "
                            "AutoSP supports SDPA attention only")
@@ -192,4 +212,126 @@ def autosp_pass(gm: GraphModule, group: int) -> GraphModule:
         if not wrapped:
             problem = _attention_problem(*(_meta(given.get(n)) for n in names), world)
             raise RuntimeError(problem or f"AutoSP could not wrap the attention {node.format_node()} in all-to-alls")
+    return gm
+
+
+# ---- DeepSpeed's graph-level form: the whole sequence enters the graph and the graph shards it ----------------
+# ``apply_autosp`` (what ``init_sp.init_autosp``'s backend runs) takes a graph Dynamo captured with a symbolic
+# sequence length ``s`` from the whole, tagged inputs: it slices the tagged inputs to this rank's ``s // P`` rows
+# inside the graph, makes the shape arithmetic downstream of them use ``s // P``, and puts the Ulysses all-to-alls
+# around every SDPA. Nodes not computed from the tagged inputs keep the whole length: an attention mask built from
+# the whole attention_mask or from cache positions matches the all-to-all layout (every rank attends over the
+# whole sequence for its heads). A mask computed from the sharded inputs is not rebuilt: use the engine's AutoSP
+# (``engine.compile`` with the ``autosp`` pass), which does, for such models.
+def pass_shard_seq_dim(gm: GraphModule, example_inputs: Any) -> None:
+    """Make every use of the sequence-length symbol downstream of the tagged inputs read ``s // P`` instead."""
+    ids = get_input_id_node(gm)
+    symbol = sequence_symbol_node(gm, ids)
+    length = _meta(symbol)
+    # Dynamo may lift the same length more than once (placeholders named differently, one value)
+    same = [n for n in gm.graph.find_nodes(op="placeholder") if isinstance(_meta(n), torch.SymInt)
+            and _meta(n).node.expr == length.node.expr]
+    locals_ = {}
+    for node in same:
+        with gm.graph.inserting_after(after_placeholders(gm, node)):
+            locals_[node] = gm.graph.call_function(operator.floordiv, (node, sp_dp_registry.sp_size()))
+    tagged = [n for n in (ids, get_label_id_node(gm), get_position_id_node(gm)) if n is not None]
+    seen, todo = set(), list(tagged)
+    while todo:  # everything computed from the tagged inputs
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    for node in seen:
+        for whole, local in locals_.items():
+            if whole in node.all_input_nodes:
+                node.replace_input_with(whole, local)
+
+
+def pass_shard_input_ids(gm: GraphModule, example_inputs: Any) -> None:
+    shard_tensor_node(gm, get_input_id_node(gm))
+
+
+def pass_shard_label_ids(gm: GraphModule, example_inputs: Any) -> None:
+    shard_tensor_node(gm, get_label_id_node(gm))
+
+
+def pass_shard_position_ids(gm: GraphModule, example_inputs: Any) -> None:
+    node = get_position_id_node(gm)
+    if node is None:  # optional: models may derive positions themselves
+        logger.warning("AutoSP: no input is tagged %r; position ids are not sharded", POSITION_ID)
+        return
+    shard_tensor_node(gm, node)
+
+
+def _exchange_after(gm: GraphModule, node: Node, scatter: int, gather: int, group: int) -> Node:
+    with gm.graph.inserting_after(node):
+        return gm.graph.call_function(torch.ops.ds_autosp.all_to_all.default, (node, scatter, gather, group))
+
+
+def pass_insert_attention_all_to_all(gm: GraphModule, example_inputs: Any) -> None:
+    """Query, key and value of every SDPA go from ``[b, heads, s/P, d]`` to ``[b, heads/P, s, d]``, its output back."""
+    nodes = get_sdpa_nodes(gm)
+    if not nodes:
+        raise RuntimeError("AutoSP found no torch.nn.functional.scaled_dot_product_attention in the compiled graph; "
+                           "AutoSP supports SDPA attention only")
+    sp = sp_dp_registry.sp_size()
+    key = _all_to_all.register_group(sp_dp_registry.get_group(dist.get_rank() // sp))
+    for node in nodes:
+        names = ("query", "key", "value")
+        given = dict(zip(names, node.args, strict=False)) | {n: node.kwargs[n] for n in names if n in node.kwargs}
+        for name in names:
+            value = _meta(given.get(name))
+            if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.shape[1] % sp:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                raise RuntimeError(f"AutoSP: SDPA {name} {node.name} must be [batch, heads, seq, head_dim] with heads "
+                                   f"divisible by the sequence parallel size ({sp}), got {shape}")
+        for source in dict.fromkeys(given[n] for n in names):  # a tensor used twice is exchanged once
+            node.replace_input_with(source, _exchange_after(gm, source, 1, 2, key))
+        users = list(node.users)
+        out = _exchange_after(gm, node, 2, 1, key)
+        for user in users:
+            user.replace_input_with(node, out)
+
+
+def pass_propagate_shapes(gm: GraphModule, example_inputs: Any) -> None:
+    """Recompute every node's fake value from the graph's own fake inputs (same shape environment)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [_meta(n) for n in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
+    if fake_mode is None:
+        raise RuntimeError("AutoSP: the captured graph carries no fake input values to propagate shapes from")
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+    for node in gm.graph.nodes:
+        if "val" in node.meta and "example_value" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+
+
+def pass_canonicalize(gm: GraphModule, example_inputs: Any) -> None:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
+AUTOSP_PASSES = (pass_shard_seq_dim, pass_shard_input_ids, pass_shard_label_ids, pass_shard_position_ids,
+                 pass_insert_attention_all_to_all, pass_propagate_shapes, pass_canonicalize)
+
+
+def apply_autosp(gm: GraphModule, real_inputs: Any, debug: bool = False, passes: list[Callable] | None = None,
+                 sp_size: int = 2, dp_size: int = 1) -> GraphModule:
+    """Run AutoSP's graph passes (``AUTOSP_PASSES`` unless ``passes`` is given) on ``gm`` in place over the mesh of
+    ``dp_size`` sequence groups of ``sp_size`` ranks (built once, ``sp_dp_registry.populate_registry``); with
+    ``debug`` rank 0 logs the graph after each pass."""
+    if sp_size * dp_size > dist.get_world_size():
+        raise ValueError(f"apply_autosp: sp_size * dp_size = {sp_size * dp_size} exceeds the world size "
+                         f"({dist.get_world_size()})")
+    sp_dp_registry.populate_registry(sp_size, dp_size)
+    if sp_dp_registry.sp_size() != sp_size:
+        raise ValueError(f"apply_autosp: sp_size={sp_size}, but the AutoSP mesh was built with "
+                         f"{sp_dp_registry.sp_size()} ranks per sequence group")
+    for p in AUTOSP_PASSES if passes is None else passes:
+        p(gm, real_inputs)
+        if debug and dist.get_rank() == 0:
+            logger.info("AutoSP graph after %s:\n%s", p.__name__, gm.print_readable(print_output=False))
     return gm
