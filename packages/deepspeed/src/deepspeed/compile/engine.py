@@ -25,9 +25,9 @@ def compile_engine(engine: Any, backend: Any, compile_kwargs: dict[str, Any], sc
                    compiled_autograd_enabled: bool) -> None:
     """Compile ``engine.module`` in place (see ``DeepSpeedEngine.compile``)."""
     section = engine._config.compile
-    if schedule is not None:
-        raise ValueError("engine.compile: schedule orders DeepCompile's ZeRO passes, which are not available in this "
-                         "version; pass schedule=None")
+    if schedule is not None and not (section.deepcompile and not section.autosp):
+        raise ValueError("engine.compile: schedule orders DeepCompile's ZeRO passes (compile.deepcompile without "
+                         "AutoSP); pass schedule=None")
     if compiled_autograd_enabled:
         raise ValueError("engine.compile: compiled_autograd_enabled=True (a compiled backward) is not available in "
                          "this version: the engine reduces gradients from hooks in eager autograd; pass False")
@@ -51,18 +51,41 @@ def compile_engine(engine: Any, backend: Any, compile_kwargs: dict[str, Any], sc
         compile_autotp(engine, backend, kwargs)
         return
     check_deepcompile(section)
+    if not section.autosp:  # DeepCompile's ZeRO passes (deepspeed.compile.zero_engine)
+        from deepspeed.compile.zero_engine import compile_zero
+
+        compile_zero(engine, backend, kwargs, _resolve_schedule(schedule))
+        return
     compile_autosp(engine, backend, kwargs)
 
 
+def _resolve_schedule(schedule: Any) -> Any:
+    """A user schedule's pass names become the registered passes, after checking their contracts."""
+    if schedule is None:
+        return None
+    from deepspeed.compile.backend import opt_passes
+    from deepspeed.compile.passes.contract import validate_schedule
+
+    validate_schedule(schedule, opt_passes)
+    resolved = []
+    for step, passes in schedule:
+        unknown = [p for p in passes if not callable(p) and p not in opt_passes]
+        if unknown:
+            raise ValueError(f"engine.compile: schedule step {step} names unknown passes {unknown}; registered: "
+                             f"{sorted(opt_passes)}")
+        resolved.append((step, [p if callable(p) else opt_passes[p] for p in passes]))
+    return resolved
+
+
 def check_deepcompile(section: Any) -> None:
-    """``compile`` with ``deepcompile``: only the AutoSP pass is available (ZeRO and AutoTP passes are not)."""
-    if "autotp" in (section.passes or []):  # what AutoTP's pass may be combined with is checked by engine.compile
+    """``compile`` with ``deepcompile``: AutoTP, AutoSP (alone), or the ZeRO passes (``passes`` unset, or ``z1`` /
+    ``z3``), as DeepSpeed routes them."""
+    passes = section.passes or []
+    if "autotp" in passes:  # what AutoTP's pass may be combined with is checked by engine.compile
         return
-    others = [p for p in section.passes or [] if p != "autosp"]
-    if not section.autosp or others:
-        raise ConfigError(ConfigProblem("compile.passes", "of DeepCompile's passes only AutoSP is available in this "
-                                        "version (the ZeRO and AutoTP passes are not); accepted: [\"autosp\"]",
-                                        section.passes))
+    if section.autosp and any(p != "autosp" for p in passes):
+        raise ConfigError(ConfigProblem("compile.passes", "AutoSP cannot yet be combined with DeepCompile's other "
+                                        "passes; accepted: [\"autosp\"], or ZeRO passes without it", passes))
 
 
 class _AutoSPCall:

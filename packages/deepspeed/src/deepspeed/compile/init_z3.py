@@ -68,3 +68,76 @@ def _resolve_expected_grad_dtype(param: Any) -> torch.dtype | None:
     ``grad_dtype`` when set (None: any dtype is accepted), else the parameter's dtype."""
     grad_dtype = getattr(param, "grad_dtype", _MISSING)
     return param.dtype if grad_dtype is _MISSING else grad_dtype
+
+
+def _hand_to_reducer(engine: Any, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """The engine's ZeRO-3 reduce-scatter takes a whole gradient from ``param.grad``; a released parameter cannot
+    hold one (autograd checks the shape), so it briefly wears a zero-stride whole-shaped view of one element."""
+    if not engine._in_backward:
+        engine._begin_backward()
+    if not engine._syncing:
+        return
+    released = param.data
+    with torch.no_grad():
+        param.data = torch.zeros((), dtype=param.dtype, device=grad.device).expand(param.ds_shape)
+        try:
+            param.grad = grad.to(param.dtype)
+            engine.reducer.grad_ready(param)
+        finally:
+            param.grad = None
+            param.data = released
+
+
+def _undo_eager_linear(engine: Any) -> None:
+    """ZeRO-3's memory-efficient linear (an autograd function gathering weights itself) is left out of the graph."""
+    from ds_zero.zero3.linear import remove_functional_linear
+
+    for module in engine.module.modules():
+        if isinstance(module, torch.nn.Linear) and "forward" in module.__dict__:
+            del module.__dict__["forward"]
+    remove_functional_linear(engine.zero3_scheduler)
+
+
+def init_z3(engine: Any, backend: Any, compile_config: Any, compile_kwargs: dict, schedule: list | None = None
+            ) -> Any:
+    """Hand the engine's ZeRO-3 parameters to DeepCompile and return its Dynamo backend.
+
+    The module hooks come off (compiled graphs gather and release), every parameter goes back to its partition
+    and is registered with the runtime (none persistent), whole gradients from the backward graphs go to the
+    engine's reduce-scatter, and the schedule defaults to ``[(0, [zero3_compile])]``.
+    """
+    from deepspeed.compile.backend import init_schedule, make_backend
+    from deepspeed.compile.init_offload import bind_offload_passes, check_offload_targets, offload_schedule
+    from deepspeed.compile.passes.zero3_compile import add_z3_gather_release
+    from deepspeed.compile.patch_fake_tensor import patch_fake_tensor
+    from deepspeed.compile.util import get_deepcompile_handle
+    from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
+
+    check_offload_targets(engine, compile_config)  # before anything below converts the engine
+    scheduler = engine.zero3_scheduler
+    engine._set_deepcompile_active(True)  # the hooks off, gathered parameters released
+    scheduler.release_all(include_persistent=True)
+    _undo_eager_linear(engine)
+    handle = get_deepcompile_handle()
+    handle.init(engine.seq_dp_group, compile_config)
+    for param in engine.module.parameters():
+        if hasattr(param, "ds_id"):
+            if type(param).__name__ == "PartitionedParameter":
+                # ZeRO-3's guard class refuses computation on a released parameter from __torch_function__;
+                # compiled graphs gather it themselves, and Dynamo must see a plain Parameter
+                param.__class__ = torch.nn.Parameter
+            param.ds_persist = False
+            handle.register_z3_param(param, grad_dtype=_resolve_expected_grad_dtype(param))
+    handle.set_grad_sink(lambda param, grad: _hand_to_reducer(engine, param, grad))
+    engine._deepcompile_z3_eager_fallback = DeepCompileZ3EagerFallback(engine)
+    if schedule is None:  # an offload target brings its own default (deepspeed.compile.init_offload)
+        schedule = offload_schedule(compile_config, add_z3_gather_release, warmup=5) or [(0, [add_z3_gather_release])]
+    init_schedule(schedule)
+    bind_offload_passes(schedule, engine.optimizer, handle)
+    engine._deepcompile_owned_frames = set()
+    patch_fake_tensor()
+    engine._release_deepcompile_dynamo_config()
+    restore = _allow_dynamo_dynamic_parameter_shapes_for_z3(compile_kwargs)
+    if restore is not None:
+        engine._deepcompile_dynamo_config_restore = restore
+    return make_backend(backend, compile_config, compile_kwargs, owned_frames=engine._deepcompile_owned_frames)

@@ -1,0 +1,66 @@
+"""``engine.compile()`` with ``compile.deepcompile`` over ZeRO: the module's call runs the graphs DeepCompile's
+backend (``backend.make_backend``) rewrote, behind a thin call that advances the pass schedule at the engine's
+global step (``launch_compile_passes``) and keeps the ZeRO-3 eager fallback around each forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_config import ConfigError, ConfigProblem
+
+
+class DeepCompileCall:
+    """``module._compiled_call_impl`` under DeepCompile."""
+
+    def __init__(self, compiled: Any, engine: Any) -> None:
+        self.compiled = compiled
+        self.engine_ref = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from deepspeed.compile.backend import launch_compile_passes
+        from deepspeed.compile.util import get_deepcompile_handle
+        from deepspeed.compile.z3_eager_fallback import deepcompile_z3_forward_context
+
+        engine = self.engine_ref
+        launch_compile_passes(engine.global_steps, owned_frames=getattr(engine, "_deepcompile_owned_frames", None))
+        handle = get_deepcompile_handle()
+        handle.clear_all_gathered_params()  # an optimizer step since the last forward changed the partitions
+        handle.start_forward()
+        with deepcompile_z3_forward_context(engine):
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:  # DeepCompile's own error, unwrapped
+                raise exc.inner_exception from exc
+
+
+def compile_zero(engine: Any, backend: Any, kwargs: dict[str, Any], schedule: Any) -> None:
+    """Compile ``engine.module`` with DeepCompile's ZeRO passes (ZeRO-3 only in this version)."""
+    import weakref
+
+    from deepspeed.compile.init_z3 import init_z3
+
+    stage = engine.zero_optimization_stage()
+    if stage != 3:
+        raise ConfigError(ConfigProblem("zero_optimization.stage", "DeepCompile's ZeRO passes are built for ZeRO "
+                                        "stage 3 in this version; accepted: 3", stage))
+    if backend not in ("eager", "inductor"):
+        raise ValueError(f"engine.compile: DeepCompile supports the backends 'eager' and 'inductor', got {backend!r}")
+    dc_backend = init_z3(engine, backend, engine._config.compile, kwargs, schedule)
+    module = engine.module
+    try:
+        # a frame of this file (Dynamo skips torch.nn's own frames, so a model made only of torch.nn modules
+        # would never be captured from its _call_impl)
+        compiled = torch.compile(_entry(module), backend=dc_backend, **{"dynamic": False, **kwargs})
+    except BaseException:
+        engine._set_deepcompile_active(False)
+        raise
+    module._compiled_call_impl = DeepCompileCall(compiled, weakref.proxy(engine))
+
+
+def _entry(module: torch.nn.Module) -> Any:
+    def run_module(*args: Any, **kwargs: Any) -> Any:
+        return module._call_impl(*args, **kwargs)
+
+    return run_module
