@@ -49,9 +49,15 @@ def _allgather_fake(a: torch.Tensor, graph_id: int, ds_id: int, dtype: Any = Non
     return a.new_empty(shape, dtype=dtype or a.dtype)
 
 
+# c10's ScalarType numbering: a ``ScalarType?[]`` argument reaches a Python kernel as these ints, not as dtypes.
+_SCALAR_TYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+                 torch.float64, torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.qint8,
+                 torch.quint8, torch.qint32, torch.bfloat16)
+
+
 def _prefetch(graph_id: int, params: list, ids: list, dtypes: list) -> None:
     for ds_id, dtype in zip(ids, dtypes, strict=False):
-        _handle().allgather_param(graph_id, ds_id, dtype)
+        _handle().allgather_param(graph_id, ds_id, _SCALAR_TYPES[dtype] if isinstance(dtype, int) else dtype)
 
 
 def _wait(a: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
