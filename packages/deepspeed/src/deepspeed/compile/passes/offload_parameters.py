@@ -18,7 +18,7 @@ from .contract import CAP_Z3_GATHER_RELEASE, PassContract
 
 NAME = "offload_parameters"
 # Wraps the all-gathers zero3_compile inserted.
-CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), phase="forward")
+CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}))  # forward and backward graphs
 
 
 def get_ds_id(node: Node) -> int:
