@@ -86,7 +86,7 @@ ACTIVE = {"hybrid_engine.inference_tp_size": 2, "hybrid_engine.enable_cuda_graph
           "weight_quantization": {}, "graph_harvesting": True, "disable_python_gc": True,
           "data_types.keep_in_fp32_modules": ["norm"], "zero_optimization.compute_grad_norm": False,
           "zero_optimization.parameter_alignment": True, "quantize_training": {},
-          "compression_training.shared_parameters": {}, "managed_gradient_accumulation": False,
+          "compression_training.shared_parameters": {},
           "timers": {"throughput": {"synchronized": False}}, "autotuning.min_train_batch_size": 2,
           "compile.free_activation_threshold": 1, "compile.offload_activation_pin_memory": False,
           "checkpoint.checkpoint_serialization": False, "checkpoint.writer": {"type": "python"},
@@ -110,7 +110,7 @@ def test_inert_key_warns_naming_itself_when_deepspeed_would_act(path):
 @pytest.mark.parametrize("config", [
     {"hybrid_engine": {"enabled": True, "max_out_tokens": 64}}, {"nebula": {"enabled": False}},
     {"timers": {"throughput": {"enabled": False}}}, {"graph_harvesting": False},
-    {"managed_gradient_accumulation": True}, {"checkpoint": {"checkpoint_serialization": True}},
+    {"checkpoint": {"checkpoint_serialization": True}},
     {"expert_parallel": {"top_k": "auto", "use_grouped_mm": True}}, {"datastates_ckpt": False},
 ], ids=lambda c: next(iter(c)))
 def test_values_deepspeed_does_not_act_on_do_not_warn(config):

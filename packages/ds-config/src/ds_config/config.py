@@ -97,6 +97,11 @@ class DeepSpeedConfig(DSConfigModel):
     """Samples one GPU processes per forward/backward (default: derived from ``train_batch_size``)."""
     gradient_accumulation_steps: AutoPosInt | None = None
     """Micro-steps accumulated before each optimizer step (default 1 when it cannot be derived)."""
+    managed_gradient_accumulation: Bool = True
+    """True: the engine counts micro-steps and updates on every ``gradient_accumulation_steps``-th ``step()``.
+    False: every ``step()`` is the boundary (reduce what the backward calls since the last step accumulated, then
+    update); the caller decides how many backward calls a step gets. Not with pipeline parallelism, DeepCompile,
+    or ``overlap_comm`` at ZeRO stage 0/1."""
 
     # -- optimizer and schedule --
     optimizer: OptimizerConfig | None = None
@@ -195,7 +200,6 @@ class DeepSpeedConfig(DSConfigModel):
     datastates_ckpt: dict[str, Any] | Bool | None = None
     graph_harvesting: Bool = False
     disable_python_gc: Bool = False
-    managed_gradient_accumulation: Bool = True
     quantize_training: dict[str, Any] | None = None
 
     _batch: BatchSizes | None = PrivateAttr(default=None)

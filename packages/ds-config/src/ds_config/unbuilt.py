@@ -105,8 +105,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
              "which it has disabled itself; 0.19.8 removed MoQ)"),
     InertKey("compression_training.shared_parameters", _is(None), "DeepSpeed 0.19 reads it only as the gate "
              "of quantize_training's eigenvalue settings"),
-    InertKey("managed_gradient_accumulation", _is(True), "unmanaged gradient accumulation (step() as the "
-             "accumulation boundary) is not built; micro steps are always counted"),
     InertKey("timers", _timer_off, "the engine's samples/s throughput timer is not built"),
     InertKey("autotuning.min_train_batch_size", _is(1), "DeepSpeed 0.19 reads it but its autotuner never "
              "uses it either"),

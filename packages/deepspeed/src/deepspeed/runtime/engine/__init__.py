@@ -29,8 +29,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.utils import checkpoint_parallel_metadata as _checkpoint_parallel_metadata  # noqa: F401
 from deepspeed.runtime.eigenvalue import eigenvalue_summary_events as _eigenvalue_summary_events  # noqa: F401
-from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages, _zero
+from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages, _unmanaged, _zero
 from deepspeed.runtime.engine._accessors import ConfigAccessors
+from deepspeed.runtime.engine._autoep_folding import AutoEPFoldingMethods
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
@@ -68,7 +69,7 @@ class LossArgumentError(TypeError, AssertionError):
 
 
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
-                      CheckpointNameMethods, DeepCompileMethods, torch.nn.Module):
+                      CheckpointNameMethods, DeepCompileMethods, AutoEPFoldingMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -143,6 +144,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         self.lr_scheduler = _optimizer.build_scheduler(lr_scheduler, self._config, self.optimizer)
         _setup.take_over_module(self, trained)
         on_grad = weak_hook(self._on_grad)
+        self._grad_params = params
         self._hook_handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
     def _configure_without_optimizer(self, lr_scheduler: Any) -> None:
@@ -172,6 +174,9 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         self._loss_sum: torch.Tensor | None = None
         self._losses_in_window = 0
         self._steps_in_window = 0
+        self._backwards_since_step = 0  # global_samples under managed_gradient_accumulation: false
+        self._running_step = False  # that mode's accumulation boundary
+        _unmanaged.check(self)
         self.timers = PhaseTimers(self._config.wall_clock_breakdown or self._config.flops_profiler.enabled,
                                   get_accelerator().synchronize)
         self.tput = Throughput()
@@ -237,6 +242,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         self._require_optimizer("backward")
         self._record_loss(loss)
+        self._backwards_since_step += 1
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
@@ -295,6 +301,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         self._in_backward = True
         self._syncing = self._should_sync()
         if not self._engine_backward:  # a direct loss.backward(): finish when autograd's graph task ends
+            self._backwards_since_step += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -334,6 +341,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         if self.zero_optimization_stage() == 0:
             raise NotImplementedError("coalesce_grad_reduction is not supported with ZeRO stage 0 (as documented); "
                                       "use no_sync() to skip reductions")
+        _unmanaged.refuse(self, "coalesce_grad_reduction")
         if self.pipeline_parallelism:
             raise NotImplementedError("coalesce_grad_reduction is not supported with pipeline parallelism: the "
                                       "pipeline schedule runs the backward passes and their reductions itself")
@@ -360,6 +368,8 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
 
     # ---- gradient accumulation and the step -------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self._config.managed_gradient_accumulation:
+            return self._running_step  # the caller's step() is the boundary (see _unmanaged)
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps - self._window_start + 1) % self.gradient_accumulation_steps() == 0
@@ -368,6 +378,8 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         """Batch geometry may change only between optimizer steps; the next window counts from here (DeepSpeed
         counts from step 0, so its first window after a change is cut short: docs/deviations.md)."""
         done = (self.micro_steps - self._window_start) % self.gradient_accumulation_steps()
+        if not self._config.managed_gradient_accumulation:
+            done = self._backwards_since_step
         if done:
             raise RuntimeError(f"{call}: {done} micro-step(s) of the current accumulation window have gradients "
                                "waiting; call it after engine.step() has taken the optimizer step")
@@ -383,6 +395,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary (e.g. Accelerate's last micro batch); ``None`` restores the counter."""
+        _unmanaged.refuse(self, "set_gradient_accumulation_boundary()")
         self._boundary_override = is_boundary
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -394,13 +407,19 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
                                        "block ends")
         if not self._sync_enabled:  # DeepSpeed's wording: the gradients inside are local, not reduced
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
-        boundary = self.is_gradient_accumulation_boundary()
-        self._step_applied = False
-        self.timers.start(STEP)
-        if boundary:
-            with named_peer_failures(self.global_steps, "step"):
-                _eigenvalue.at_boundary(self)
-                self._take_model_step(lr_kwargs)
+        self._running_step = True
+        try:
+            boundary = self.is_gradient_accumulation_boundary()
+            self._step_applied = False
+            self.timers.start(STEP)
+            if boundary:
+                with named_peer_failures(self.global_steps, "step"):
+                    if not self._config.managed_gradient_accumulation:
+                        _unmanaged.reduce_accumulated(self)
+                    _eigenvalue.at_boundary(self)
+                    self._take_model_step(lr_kwargs)
+        finally:
+            self._running_step = False
         self.micro_steps += 1
         self.timers.stop(STEP)
         self.tput_timer.stop(global_step=boundary, report_speed=False)
@@ -421,8 +440,11 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         self.zero_grad()
         self._in_backward = self._scaled = False
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        self.tput.add(self.train_batch_size())
+        samples = self.train_batch_size() if self._config.managed_gradient_accumulation \
+            else _unmanaged.samples_since_step(self)
+        self._backwards_since_step = 0
+        self.global_samples += samples
+        self.tput.add(samples)
 
     def _after_model_step(self) -> None:
         from deepspeed.runtime.engine._reporting import report_progress
@@ -556,6 +578,9 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
     def destroy(self) -> None:
         """Remove the gradient hooks, close the monitors and free the optimizer's pinned host buffers (the
         engine must not be used afterwards)."""
+        self._release_deepcompile()
+        if "_hook_handles" not in self.__dict__:  # never set up (built with object.__new__): nothing else to free
+            return
         self._release("destroy() was called")
         release_buffers = getattr(self.optimizer, "destroy", None)  # the ZeRO optimizers' (DeepSpeed's name)
         if callable(release_buffers):
@@ -577,9 +602,6 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
-        self._release_deepcompile()
-        if "_hook_handles" not in self.__dict__:  # never set up (built with object.__new__): nothing else to free
-            return
     """The tensors in a module's output (nested tuples, lists, dicts such as Hugging Face's ModelOutput)."""
     if isinstance(value, torch.Tensor):
         yield value

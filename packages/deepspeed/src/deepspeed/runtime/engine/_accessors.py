@@ -35,6 +35,10 @@ class ConfigAccessors:
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
 
+    def managed_gradient_accumulation(self) -> bool:
+        """False when the caller's ``step()`` is the accumulation boundary (``managed_gradient_accumulation``)."""
+        return bool(self._config.managed_gradient_accumulation)
+
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch size by changing the gradient accumulation steps; the micro batch stays
         (DeepSpeed's batch-size ramp-up, e.g. Megatron's ``--rampup-batch-size``). Call it between optimizer
@@ -81,6 +85,11 @@ class ConfigAccessors:
 
     def zero_offload_optimizer(self) -> Any:
         return self._config.zero_optimization.offload_optimizer
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        """The optimizer steps off the accelerator: ``offload_optimizer.device`` is cpu or nvme (none: inert)."""
+        off = self._config.zero_optimization.offload_optimizer
+        return off is not None and str(getattr(off.device, "value", off.device)) in ("cpu", "nvme")
 
     def zero_offload_param(self) -> Any:
         return self._config.zero_optimization.offload_param
