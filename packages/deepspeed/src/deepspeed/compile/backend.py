@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule
 
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.compile.fx import add_free_activations
 from deepspeed.compile.graph_param import DSGraphParamManager
 from deepspeed.compile.inductor import patch_create_aot_dispatcher_function, register_custom_ops
@@ -196,6 +198,18 @@ def _get_fw_real_inputs(local_real_inputs: deque, input_storage: InputStorage, g
                        "its inputs were consumed and nothing was stored)")
 
 
+def _sync_memory_profile_complete(complete: bool) -> bool:
+    """True when every rank's memory profile is complete (a MIN over ranks; one process answers alone), so all
+    ranks keep or drop the profile alike and the passes planning from it decide the same everywhere."""
+    if not dist.is_initialized():
+        return complete
+    current = get_accelerator().current_device()
+    device = torch.device(get_accelerator().current_device_name() if isinstance(current, int) else current)
+    flag = torch.tensor([1 if complete else 0], dtype=torch.int, device=device)
+    dist.all_reduce(flag, dist.ReduceOp.MIN)
+    return bool(flag[0].item())
+
+
 def _quiesce() -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -225,7 +239,7 @@ def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, g
                 profiler.run(*create_inputs_fn())
             finally:
                 handle.enable_profiling(False)
-            complete = profiler.profile_complete
+            complete = _sync_memory_profile_complete(profiler.profile_complete)
             mem = list(profiler.mem_record) if complete else []
             set_time_and_tensor_size(graph_id, gm.graph, mem, bwd, profiling_results, complete)
         _quiesce()
