@@ -52,9 +52,10 @@ def _parallel(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
                                      "tensor-parallel group; accepted: false (or ZeRO stage 0, 1, 2)", True))
     # AutoEP with ZeRO stage 3: the engine checks what it cannot combine with (MiCS, hpZ, qgZ, sequence parallel)
     # AutoEP with AutoTP folds the expert groups onto the tensor-parallel ranks; ds_moe.autoep.folding checks it
-    if cfg.compile.autosp and stage != 0:
-        out.append(ConfigProblem("compile.passes", f"AutoSP requires ZeRO stage 0 (zero_optimization.stage is "
-                                 f"{stage}): sequence sharding by the compiler is not supported with ZeRO yet"))
+    if cfg.compile.autosp and stage not in (0, 1):
+        out.append(ConfigProblem("compile.passes", f"AutoSP trains with ZeRO stage 0 or 1 (zero_optimization.stage "
+                                 f"is {stage}): sequence sharding by the compiler does not compose with partitioned "
+                                 "gradients or parameters yet; accepted: stage 0, 1"))
     if isinstance(cfg.pipeline.stages, int) and cfg.pipeline.stages > 1:
         out.extend(pipeline_problems(cfg, cfg.pipeline.stages))
     return out

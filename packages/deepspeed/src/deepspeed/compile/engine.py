@@ -121,9 +121,9 @@ def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
     from deepspeed.compile.passes.sp_compile import autosp_pass
     from deepspeed.utils import groups
 
-    if engine.zero_optimization_stage() != 0:
-        raise ConfigError(ConfigProblem("zero_optimization.stage", "AutoSP requires ZeRO stage 0; accepted: 0",
-                                        engine.zero_optimization_stage()))
+    if engine.zero_optimization_stage() not in (0, 1):
+        raise ConfigError(ConfigProblem("zero_optimization.stage", "AutoSP trains with ZeRO stage 0 or 1; "
+                                        "accepted: 0, 1", engine.zero_optimization_stage()))
     if kwargs.get("fullgraph", True) is not True:
         raise ValueError("engine.compile: AutoSP compiles the whole forward as one graph; drop fullgraph=False from "
                          "compile_kwargs")
@@ -154,6 +154,8 @@ def _average_over_sequence_ranks(engine: Any) -> None:
 
     if engine.sequence_parallel_size == 1 or engine.reducer is None:
         return
+    if engine.zero_optimization_stage() == 1:  # ZeRO-1 divides by the sequence-data size from the start
+        return  # (runtime.engine._zero: an AutoSP config's ZeRO reduction averages over the sequence ranks)
     if not isinstance(engine.reducer, BucketedAllReduce):
         raise ConfigError(ConfigProblem("compile.passes", "AutoSP trains with the engine's data-parallel all-reduce "
                                         f"(not {type(engine.reducer).__name__}: 1-bit optimizers and MoE layers are "

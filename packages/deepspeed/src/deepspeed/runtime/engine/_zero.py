@@ -177,7 +177,9 @@ def build_zero_stage(inputs: StageInputs) -> tuple[OptimizerWrapper, GradientRed
     group, group_comms = inputs.dp_group, moe_group_comms(inputs.basic_optimizer, inputs.dp_world_size)
     if sequence_factor(inputs.reduce_group, inputs.dp_group, inputs.dp_world_size) > 1:  # over seq x data ranks
         group = inputs.reduce_group
-        group_comms = zero12_group_comms(inputs.basic_optimizer, group, inputs.dp_world_size)
+        # AutoSP: each rank's loss is the loss of its own shard, so gradients average over the sequence ranks too
+        divisor = comm.get_world_size(group) if config.compile.autosp else inputs.dp_world_size
+        group_comms = zero12_group_comms(inputs.basic_optimizer, group, divisor)
     # through deepspeed.comm, so the comms logger and failure notes see ZeRO's collectives too
     kind, extra = DeepSpeedZeroOptimizer, {}
     if config.zero_optimization.zenflow is not None:  # checked by zero_settings: CPU offload, fixed intervals
