@@ -236,13 +236,6 @@ def _z3_matmul_graph(params) -> GraphModule:
 
 
 def _passes_on_real_parameters():
-    # ZeRO-3's guard refuses any torch call on a released parameter, dc operators included; a compiled graph is
-    # where they are meant to take one, so the graphs run with subclass torch functions off
-    with torch._C.DisableTorchFunctionSubclass():
-        return _passes_on_real_parameters_unguarded()
-
-
-def _passes_on_real_parameters_unguarded():
     from deepspeed.compile.list_schedule import fast_free_schedule
     from deepspeed.compile.passes import offload_parameters, prefetch
     from ds_zero.zero3.convert import convert_param

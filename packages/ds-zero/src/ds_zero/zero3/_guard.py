@@ -6,7 +6,8 @@ While released, a partitioned parameter's ``.data`` is an empty tensor: ``weight
 ``GatheredParameters``. What does not read the values stays allowed: attributes (``.data``, ``.grad``,
 ``.shape``, ``.dtype``), metadata (``numel()``, ``dim()``), moves and casts (``Module.to`` converts released
 parameters), ``detach()`` (``state_dict``), hashing and hooks. Inside a gather, or for persistent parameters, the
-subclass only passes the call through.
+subclass only passes the call through; so it does for DeepCompile's ``torch.ops.dc`` operators, which are meant to
+take released parameters.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class PartitionedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "namespace", None) == "dc":
+            # DeepCompile's operators take released parameters by design (allgather_param reads the partition)
+            return _plain(func, args, kwargs)
         name = getattr(func, "__name__", "")
         # torch's private helpers (``_has_compatible_shallow_copy_type`` in Module.to, ...) inspect, not compute
         if name not in _ALLOWED and not (name.startswith("_") and not name.startswith("__")):
