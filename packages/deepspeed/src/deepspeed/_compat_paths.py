@@ -12,6 +12,7 @@ COMPAT_PATHS: dict[str, str] = {
     "deepspeed.inference.config": "ds_config.inference",
     "deepspeed.runtime.config_utils": "ds_config.config_utils",  # DeepSpeedConfigModel & helpers
     "deepspeed.inference.engine": "ds_inference.engine",  # init_inference's engine (ds-inference, issue 16)
+    "deepspeed.inference.quantization": "ds_inference.group_quant",  # group-wise INT4/INT8 weight quantization
     "deepspeed.monitor.config": "ds_config.monitor",
     # monitors (ds-monitor); deepspeed.monitor itself stays a namespace, as DeepSpeed's empty package
     "deepspeed.monitor.monitor": "ds_monitor.monitor",
@@ -129,7 +130,6 @@ NOT_BUILT: dict[str, str] = {
                                              "sparse_attention.softmax.Softmax)",
     "deepspeed.ops.sparse_attention.softmax": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                               "sparse_attention.softmax.Softmax)",
-    "deepspeed.inference.quantization": "weight-only quantized inference (deepspeed.inference.quantization)",
     "deepspeed.compile.inductor": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.fx": "DeepCompile (compiler-driven ZeRO passes)",
     "deepspeed.compile.profilers": "DeepCompile (compiler-driven ZeRO passes)",
