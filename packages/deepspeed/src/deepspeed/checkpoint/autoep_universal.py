@@ -37,8 +37,10 @@ from deepspeed.checkpoint.constants import (
     CAT_DIM,
     EP_IS_EXPERT_PARAM,
     EP_NUM_EXPERTS,
+    FOLDING_METADATA_KEY,
     PARAM,
 )
+from deepspeed.checkpoint.folding_metadata import make_folding_metadata, validate_folding_metadata  # noqa: F401
 from deepspeed.runtime.checkpointing.atomic import atomic_write, make_dirs
 
 EXPERT_WEIGHT_NAMES = ("w1", "w2", "w3")
@@ -203,10 +205,21 @@ def resolve_expert_ckpt_path(checkpoint_dir: str, moe_layer_id: int, global_expe
         raise FileNotFoundError(f"Expert checkpoint file not found: layer_{moe_layer_id} expert_{global_expert_id} "
                                 f"in {checkpoint_dir}")
     if len(matches) > 1:
+        _reject_folded_shards(matches)
         raise NotImplementedError(f"Multiple expert checkpoint files found for layer_{moe_layer_id} "
                                   f"expert_{global_expert_id}: {matches}; expert files of several model-parallel "
                                   "ranks are not supported.")
     return matches[0]
+
+
+def _reject_folded_shards(paths: list[str]) -> None:
+    for path in paths:
+        folding = torch.load(path, map_location="cpu", weights_only=True).get(FOLDING_METADATA_KEY)
+        if isinstance(folding, Mapping) and int(folding.get("tp_size", 1)) > 1:
+            raise NotImplementedError(f"Universal conversion of folded AutoEP+AutoTP expert shards (tp_size="
+                                      f"{folding['tp_size']}) is not supported: {paths} hold one expert under "
+                                      "several tensor-parallel ranks; load the checkpoint with the same folded "
+                                      "layout instead")
 
 
 def consolidate_autoep_expert_files(checkpoint_dir: str, output_dir: str, autoep_layers: Any) -> None:

@@ -239,20 +239,23 @@ def autoep_folding_gradient_reduction_strategy(folding_spec: Any, param: Any, *,
 
 
 def reduce_autoep_folding_gradient(folding_spec: Any, param: Any, grad: Any, *, tp_group: Any,
-                                   param_name: str | None = None) -> str:
+                                   param_name: str | None = None, comm: Any = None) -> str:
     """Apply ``param``'s strategy to ``grad`` in place over ``tp_group``; the strategy applied. Low-precision
-    gradients are reduced in fp32 (the TP sum of bf16 lanes would round per addition)."""
+    gradients are reduced in fp32 (the TP sum of bf16 lanes would round per addition). ``comm``: the module
+    whose ``all_reduce`` / ``get_world_size`` run it (default ``torch.distributed``; the engine passes
+    ``deepspeed.comm``)."""
+    comm = dist if comm is None else comm
     strategy = autoep_folding_gradient_reduction_strategy(folding_spec, param, param_name=param_name)
     if strategy == AUTOEP_FOLDING_GRAD_REDUCE_SKIP or grad is None or grad.is_sparse:
         return strategy
     data = grad.data
-    tp_size = dist.get_world_size(group=tp_group)
+    tp_size = comm.get_world_size(group=tp_group)
     if strategy == AUTOEP_FOLDING_GRAD_REDUCE_EXPERT_TP_CANCEL:
         if tp_size > 1:
             data.div_(tp_size)
         return strategy
     work = data if data.dtype == torch.float32 else data.float()
-    dist.all_reduce(work, group=tp_group)
+    comm.all_reduce(work, group=tp_group)
     if strategy == AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE:
         work.div_(tp_size)
     if work is not data:
@@ -261,6 +264,7 @@ def reduce_autoep_folding_gradient(folding_spec: Any, param: Any, grad: Any, *, 
 
 
 def is_autoep_folding_gradient_corrected(param: Any) -> bool:
+    """Whether ``param.grad`` already holds the folding correction (hooked parameters always do)."""
     return bool(getattr(param, AUTOEP_FOLDING_GRAD_CORRECTED_ATTR, False))
 
 
@@ -270,13 +274,14 @@ def clear_autoep_folding_gradient_corrected(param: Any) -> None:
 
 
 def apply_folding_correction_to_grad_buffer(folding_spec: Any, param: Any, grad: Any, *, tp_group: Any,
-                                            param_name: str | None = None,
-                                            use_correction_marker: bool = True) -> str:
+                                            param_name: str | None = None, use_correction_marker: bool = True,
+                                            comm: Any = None) -> str:
     """:func:`reduce_autoep_folding_gradient` at most once per step when ``use_correction_marker`` (the mark is
     cleared by :func:`clear_autoep_folding_gradient_corrected` once the step consumed the gradient)."""
     if use_correction_marker and is_autoep_folding_gradient_corrected(param):
         return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
-    strategy = reduce_autoep_folding_gradient(folding_spec, param, grad, tp_group=tp_group, param_name=param_name)
+    strategy = reduce_autoep_folding_gradient(folding_spec, param, grad, tp_group=tp_group, param_name=param_name,
+                                              comm=comm)
     if use_correction_marker and strategy != AUTOEP_FOLDING_GRAD_REDUCE_SKIP:
         setattr(param, AUTOEP_FOLDING_GRAD_CORRECTED_ATTR, True)
     return strategy

@@ -31,6 +31,7 @@ from deepspeed.checkpoint.utils import checkpoint_parallel_metadata as _checkpoi
 from deepspeed.runtime.eigenvalue import eigenvalue_summary_events as _eigenvalue_summary_events  # noqa: F401
 from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages, _unmanaged, _zero
 from deepspeed.runtime.engine._accessors import ConfigAccessors
+from deepspeed.runtime.engine._autoep_folding import AutoEPFoldingMethods
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
@@ -68,7 +69,7 @@ class LossArgumentError(TypeError, AssertionError):
 
 
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
-                      CheckpointNameMethods, DeepCompileMethods, torch.nn.Module):
+                      CheckpointNameMethods, DeepCompileMethods, AutoEPFoldingMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``

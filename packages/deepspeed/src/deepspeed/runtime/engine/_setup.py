@@ -21,6 +21,7 @@ from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
 from deepspeed.autotuning.probe import attach_probe as attach_autotuning_probe
 from deepspeed.runtime.engine import _data_efficiency, _eigenvalue, _module, _moe, _pld, _reporting
+from deepspeed.runtime.engine._autoep_folding import bind_folding
 from deepspeed.utils import log_dist, set_log_level_from_string
 from ds_config import ConfigError, ConfigProblem
 
@@ -146,6 +147,7 @@ def attach_features(engine: Any, config: Any, training_data: Any, collate_fn: An
     training loader, the monitor, the FLOPs profiler, the autotuning probe and ``torch.compile``."""
     _pld.attach(engine, config)
     _eigenvalue.attach(engine, config)
+    bind_folding(engine)  # AutoEP folded onto AutoTP: the engine's and the ZeRO optimizer's view of the layout
     engine.data_efficiency = _data_efficiency.build(config, engine.train_batch_size(),
                                                     engine.train_micro_batch_size_per_gpu())
     engine.training_dataloader = (engine.deepspeed_io(training_data, collate_fn=collate_fn)

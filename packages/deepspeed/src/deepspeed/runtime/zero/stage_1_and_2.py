@@ -25,6 +25,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from ds_moe.autoep import folding as _folding
+from ds_moe.autoep.folding import AUTOEP_FOLDING_GRAD_REDUCE_SKIP
 from ds_zero import stage_1_and_2 as _zero
 from ds_zero.stage_1_and_2 import (
     GroupComm,
@@ -40,6 +42,15 @@ __all__ = ["AllgatherBucketSizeError", "DeepSpeedZeroOptimizer", "GroupComm", "I
            "ZeroSettings",
            "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "get_accelerator", "model_to_params"]
+
+
+def apply_folding_correction_to_grad_buffer(folding_spec: Any, param: torch.nn.Parameter, grad: torch.Tensor, *,
+                                            tp_group: Any, param_name: str | None = None,
+                                            use_correction_marker: bool = True) -> str:
+    """``ds_moe.autoep.folding``'s correction over ``deepspeed.comm`` (the collectives DeepSpeed's code uses)."""
+    return _folding.apply_folding_correction_to_grad_buffer(folding_spec, param, grad, tp_group=tp_group,
+                                                            param_name=param_name,
+                                                            use_correction_marker=use_correction_marker, comm=dist)
 
 
 @dataclass
@@ -91,6 +102,8 @@ class DeepSpeedZeroOptimizer(_zero.DeepSpeedZeroOptimizer):
     """ZeRO stage 1/2 optimizer (see ds-zero's class) with DeepSpeed's bucket-reduction methods."""
 
     nccl_start_alignment_factor = 2  # DeepSpeed's name: partitions start on 4 bytes of 16-bit elements
+    autoep_folding_spec: Any = None  # AutoEP folded onto AutoTP: its layout and tensor-parallel group
+    autoep_folding_tp_group: Any = None
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  names: dict[torch.nn.Parameter, str], settings: ZeroSettings, *args: Any, **kwargs: Any) -> None:
@@ -110,6 +123,31 @@ class DeepSpeedZeroOptimizer(_zero.DeepSpeedZeroOptimizer):
         self.ipg_buckets: dict[torch.dtype, IPGBucket] = {}
         accel = get_accelerator()
         self.reduction_stream = None if accel.is_synchronized_device() else accel.Stream()
+
+    def _maybe_reduce_autoep_folding_tp_gradient(self, param: torch.nn.Parameter, grad: torch.Tensor | None) -> Any:
+        """DeepSpeed's per-gradient hook point for AutoEP+AutoTP folding: the correction of ``grad`` (see
+        ``ds_moe.autoep.folding``) where the gradient leaves this optimizer's hands here: ZeRO-2 (reduced into
+        partitions; each micro-batch's gradient corrected, no once-per-step marker) and ZeRO-1 with
+        ``overlap_comm`` (reduced as it arrives; corrected once). ZeRO-1 without overlap keeps full gradients
+        until the engine's boundary sweep, which owns the correction; an incomplete gradient (``ds_grad_is_ready``
+        False) is left alone. Gradients of a folded model are already corrected by its backward hooks."""
+        if self.autoep_folding_spec is None or grad is None or getattr(param, "ds_grad_is_ready", True) is False:
+            return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
+        if not self.partition_gradients and not self.overlap_comm:
+            return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
+        return apply_folding_correction_to_grad_buffer(self.autoep_folding_spec, param, grad,
+                                                       tp_group=self.autoep_folding_tp_group,
+                                                       use_correction_marker=not self.partition_gradients)
+
+    @property
+    def partition_gradients(self) -> bool:
+        """Whether gradients are reduced into partitions (stage 2); assignable, as DeepSpeed's attribute is."""
+        pinned = self.__dict__.get("_partition_gradients")
+        return super().partition_gradients if pinned is None else pinned
+
+    @partition_gradients.setter
+    def partition_gradients(self, value: bool) -> None:
+        self.__dict__["_partition_gradients"] = bool(value)
 
     @property
     def parallel_partitioned_bit16_groups(self) -> list[list[torch.Tensor]]:
