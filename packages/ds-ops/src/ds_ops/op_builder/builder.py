@@ -208,16 +208,16 @@ class CUDAOpBuilder:
         """Why this op cannot be built here (empty when it can): a CPU-only torch, no nvcc, no sources."""
         problems = []
         if torch.version.cuda is None and not self.is_rocm_pytorch():
-            problems.append(f"op {self.name!r} needs a CUDA or ROCm build of torch; this is torch {torch.__version__}")
+            problems.append(f"op {self.name!r} needs a CUDA or ROCm build of torch; this is torch {torch.__version__}.")
         elif not self.is_rocm_pytorch() and _toolkit_or_none() is None:
-            problems.append(f"op {self.name!r} needs the CUDA toolkit (nvcc); set CUDA_HOME to its folder")
+            problems.append(f"op {self.name!r} needs the CUDA toolkit (nvcc); set CUDA_HOME to its folder.")
         if not self.sources():
             problems.append(self.sources_problem())
         return problems
 
     def sources_problem(self) -> str:
         """What compatibility_problems says when :meth:`sources` is empty."""
-        return f"op {self.name!r} has no sources to compile"
+        return f"op {self.name!r} has no sources to compile."
 
     def is_compatible(self, verbose: bool = False) -> bool:
         problems = self.compatibility_problems()

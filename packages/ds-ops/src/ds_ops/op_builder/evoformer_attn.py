@@ -125,9 +125,9 @@ class EvoformerAttnBuilder(CUDAOpBuilder):
                 return dirs
         if self.cutlass_path:
             raise RuntimeError(f"CUTLASS_PATH={self.cutlass_path} does not contain the CUTLASS headers "
-                               "(include/cutlass/cutlass.h)")
+                               "(include/cutlass/cutlass.h).")
         raise RuntimeError("Unable to locate CUTLASS: pip install nvidia-cutlass, or set CUTLASS_PATH to a CUTLASS "
-                           f"checkout (or CUTLASS_PATH={self.CUTLASS_IGNORE} when the compiler already finds it)")
+                           f"checkout (or CUTLASS_PATH={self.CUTLASS_IGNORE} when the compiler already finds it).")
 
     def cutlass_version(self) -> tuple[int, int, int] | None:
         """The found CUTLASS's version from ``cutlass/version.h`` (else its checkout's CHANGELOG.md), or None."""
@@ -157,7 +157,7 @@ class EvoformerAttnBuilder(CUDAOpBuilder):
         version = self.cutlass_version()
         if version is not None and version < MIN_CUTLASS:
             return [f"CUTLASS {'.'.join(map(str, version))} at {self._resolved_cutlass_path} is too old: "
-                    f"Evoformer attention needs CUTLASS >= {'.'.join(map(str, MIN_CUTLASS))}"]
+                    f"Evoformer attention needs CUTLASS >= {'.'.join(map(str, MIN_CUTLASS))}."]
         return []
 
     def _cuda_problems(self) -> list[str]:
@@ -166,7 +166,7 @@ class EvoformerAttnBuilder(CUDAOpBuilder):
         problems = []
         capability = self.cuda_capability_major()
         if capability is not None and capability < 7:
-            problems.append(f"Evoformer attention needs a GPU of compute capability >= 7.0; GPU 0 is {capability}.x")
+            problems.append(f"Evoformer attention needs a GPU of compute capability >= 7.0; GPU 0 is {capability}.x.")
         try:
             toolkit_major = installed_cuda_version(self.name)[0]
         except Exception as exc:  # noqa: BLE001 - a missing toolkit is reported, not raised, by a compatibility check
@@ -174,7 +174,7 @@ class EvoformerAttnBuilder(CUDAOpBuilder):
         torch_major = int(torch.version.cuda.split(".")[0])
         if min(toolkit_major, torch_major) < 11:
             problems.append(f"Evoformer attention needs CUDA 11+ (toolkit {toolkit_major}, torch built with "
-                            f"{torch.version.cuda})")
+                            f"{torch.version.cuda}).")
         return problems
 
     def compatibility_problems(self) -> list[str]:
@@ -182,4 +182,4 @@ class EvoformerAttnBuilder(CUDAOpBuilder):
 
     def sources_problem(self) -> str:
         return ("this version does not ship DeepSpeed's CUTLASS Evoformer kernel; "
-                "deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention computes the attention in torch")
+                "deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention computes the attention in torch.")
