@@ -220,7 +220,9 @@ def _quiesce() -> None:
 def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, graph_order: list, profiling_results:
                    dict, create_inputs_fn: Callable, mem_budget: float, param_manager: dict, bwd: bool,
                    debug_log: bool = False) -> GraphModule:
-    """Run ``opt_passes`` on ``gm`` in order; after each pass that changed it, profile its memory on real inputs."""
+    """Run ``opt_passes`` on ``gm`` in order; after each pass that changed it, profile its memory on real inputs
+    for the passes that plan from the profile (a step of one pass has none: no profile, which spares a run of the
+    graph with a collective per node)."""
     from deepspeed.compile.profilers.graph_profile import MemoryProfilingInterpreter
 
     _quiesce()
@@ -233,6 +235,8 @@ def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, g
             gm = rewritten
             gm.graph.lint()
             gm.recompile()
+            if len(opt_passes) == 1:
+                continue
             profiler = MemoryProfilingInterpreter(gm, debug_log=debug_log)
             handle.enable_profiling(True)  # reductions and stateful ops do not act during the profile run
             try:

@@ -117,6 +117,7 @@ def init_z3(engine: Any, backend: Any, compile_config: Any, compile_kwargs: dict
     scheduler = engine.zero3_scheduler
     engine._set_deepcompile_active(True)  # the hooks off, gathered parameters released
     scheduler.release_all(include_persistent=True)
+    scheduler.persistent = []  # nothing is regathered after a step: the graphs gather what they read
     _undo_eager_linear(engine)
     handle = get_deepcompile_handle()
     handle.init(engine.seq_dp_group, compile_config)
