@@ -79,3 +79,49 @@ def test_folding_metadata_round_trip_and_mismatch():
         validate_folding_metadata({"folding": entry}, tp_size=2, ep_size=2)
     with pytest.raises(RuntimeError, match="Missing AutoEP\\+AutoTP folding metadata"):
         validate_folding_metadata({}, tp_size=2, ep_size=4)
+
+
+def _checkpoint(folder: str) -> tuple[list[str], float, float, str]:
+    import glob
+    import os
+
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False},
+           "tensor_parallel": {"autotp_size": 2, "partition_config": SKIP_ALL}}
+    g = torch.Generator().manual_seed(dist.get_rank() // 2)
+    batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(3)]
+    engine, *_ = deepspeed.initialize(model=_mixtral(), config=cfg)
+    for ids in batches[:2]:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(folder, tag="t")
+    want = float(engine(input_ids=batches[2], labels=batches[2]).loss)
+    families = sorted({torch.load(path, weights_only=False)["folding"]["family"]
+                       for path in glob.glob(os.path.join(folder, "t", "*.pt"))})
+    resumed, *_ = deepspeed.initialize(model=_mixtral(), config=cfg)
+    resumed.load_checkpoint(folder, tag="t")
+    got = float(resumed(input_ids=batches[2], labels=batches[2]).loss)
+    dist.barrier()
+    if dist.get_rank() == 0:  # a folded run refuses a model-states file without the layout
+        for path in glob.glob(os.path.join(folder, "t", "mp_rank_*_model_states.pt")):
+            state = torch.load(path, weights_only=False)
+            del state["folding"]
+            torch.save(state, path)
+    dist.barrier()
+    again, *_ = deepspeed.initialize(model=_mixtral(), config=cfg)
+    try:
+        again.load_checkpoint(folder, tag="t")
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return families, want, got, error
+
+
+def test_folded_checkpoint_records_the_layout_and_resumes(tmp_path):
+    for families, want, got, error in run_distributed(_checkpoint, world_size=4, args=(str(tmp_path),), timeout=240):
+        assert families == ["dense", "routed_expert", "zero_optimizer_state"]
+        assert got == want
+        assert "Missing AutoEP+AutoTP folding metadata" in error

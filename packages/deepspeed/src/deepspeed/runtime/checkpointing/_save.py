@@ -113,6 +113,10 @@ def _rank_files(state: EngineState, ctx: ShardContext, client_state: Mapping[str
                 raise CheckpointError(f"checkpoint shard file name {name!r} from {type(shard).__name__} is "
                                       "taken or not a plain file name")
             files[name] = with_deepspeed_objects(obj)
+    for shard in state.shards:  # e.g. AutoEP+AutoTP folding: its layout recorded in the other extensions' files
+        decorate = getattr(shard, "decorate_files", None)
+        if decorate is not None:
+            decorate(files)
     return files
 
 

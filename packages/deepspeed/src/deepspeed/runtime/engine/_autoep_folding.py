@@ -1,5 +1,6 @@
 """The engine's side of AutoEP folded onto AutoTP (``ds_moe.autoep.folded``): DeepSpeed's explicit gradient
-correction entry point and the check of a checkpoint's folding metadata against this run.
+correction entry point, the ``folding`` entry of each checkpoint file (:class:`AutoEPFoldingCheckpointShards`)
+and its check against this run on load.
 
 Gradients of a folded model are corrected as they arrive (backward hooks installed by ``apply_autoep_folded``,
 which mark the parameters corrected), so :meth:`_reduce_autoep_folding_tp_replicated_gradients` only touches
@@ -14,9 +15,10 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import FOLDING_METADATA_KEY
-from deepspeed.checkpoint.folding_metadata import validate_folding_metadata
+from deepspeed.checkpoint.folding_metadata import make_folding_metadata, validate_folding_metadata
+from deepspeed.runtime.checkpointing.layout import model_states_name
 from deepspeed.utils import groups
-from ds_moe.autoep.folding import apply_folding_correction_to_grad_buffer
+from ds_moe.autoep.folding import apply_folding_correction_to_grad_buffer, autoep_folding_param_family
 
 
 def folding_spec_of(module: torch.nn.Module) -> Any:
@@ -75,3 +77,63 @@ class AutoEPFoldingMethods:
                                          etp_size=folding_spec.etp_size, family=family,
                                          zero_partition_group=zero_partition_group,
                                          zero_partition_count=zero_partition_count, **expected)
+
+
+class AutoEPFoldingCheckpointShards:
+    """Checkpoint extension of a folded engine: every file it saves records the folded layout it was written
+    under (``deepspeed.checkpoint.folding_metadata``): the model states as ``dense`` (with each replicated
+    parameter's family), the per-expert files as ``routed_expert`` (partitioned over the expert-data-parallel
+    group), ZeRO's optimizer shards as ``zero_optimizer_state`` (each parameter's family and partition group).
+    Loading checks the model states' entry against this run before anything is read into the model."""
+
+    owns_optimizer_state = False
+    owns_module_state = False
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.handles = next(m.folding_group_handles for m in engine.module.modules()
+                            if getattr(m, "folding_group_handles", None) is not None)
+        self.spec = self.handles.spec
+
+    def _entry(self, family: str, group: str, group_ranks: tuple[int, ...], **extra: Any) -> dict[str, Any]:
+        rank = dist.get_rank()
+        return make_folding_metadata(tp_size=self.spec.tp_size, tp_rank=self.handles.tp_ranks.index(rank),
+                                     ep_size=self.spec.ep_size, ep_rank=self.handles.ep_ranks.index(rank),
+                                     zero_partition_group=group, zero_partition_rank=group_ranks.index(rank),
+                                     zero_partition_count=len(group_ranks), family=family, **extra)
+
+    def _families(self) -> dict[str, str]:
+        return {name: autoep_folding_param_family(p, name) or "dense"
+                for name, p in self.engine.module.named_parameters() if getattr(p, "allreduce", True)}
+
+    def model_state_extras(self) -> dict[str, Any]:
+        return {FOLDING_METADATA_KEY: self._entry("dense", "dense_dp", self.handles.dense_dp_ranks,
+                                                  param_families=self._families())}
+
+    def files_to_save(self, ctx: Any) -> dict[str, Any]:
+        return {}
+
+    def decorate_files(self, files: dict[str, Any]) -> None:
+        """Add the ``folding`` entry to the per-expert files and ZeRO's optimizer shards this rank writes."""
+        for name, obj in files.items():
+            if not isinstance(obj, dict) or FOLDING_METADATA_KEY in obj:
+                continue
+            if name.startswith("layer_") and "_expert_" in name:
+                obj[FOLDING_METADATA_KEY] = self._entry("routed_expert", "edp", self.handles.edp_ranks)
+            elif name.endswith("_optim_states.pt"):
+                per_param = {name: {"family": "routed_expert", "zero_partition_group": "edp"}
+                             for name, p in self.engine.module.named_parameters() if not getattr(p, "allreduce", True)}
+                per_param.update({name: {"family": family, "zero_partition_group": "dense_dp"}
+                                  for name, family in self._families().items()})
+                obj[FOLDING_METADATA_KEY] = self._entry("zero_optimizer_state", "per_family",
+                                                        self.handles.dense_dp_ranks, param_families=per_param)
+
+    def prepare_load(self, ctx: Any, load: Any) -> Any:
+        state = load(model_states_name(ctx.parallel.mp_rank))
+        AutoEPFoldingMethods._validate_autoep_folding_checkpoint_metadata(state, folding_spec=self.spec,
+                                                                          family="dense",
+                                                                          zero_partition_group="dense_dp")
+        return lambda: None
+
+    def load_files(self, ctx: Any, load: Any) -> None:
+        self.prepare_load(ctx, load)()

@@ -21,7 +21,7 @@ from deepspeed.__about__ import __version__
 from deepspeed.accelerator import get_accelerator
 from deepspeed.autotuning.probe import attach_probe as attach_autotuning_probe
 from deepspeed.runtime.engine import _data_efficiency, _eigenvalue, _module, _moe, _pld, _reporting
-from deepspeed.runtime.engine._autoep_folding import bind_folding
+from deepspeed.runtime.engine._autoep_folding import AutoEPFoldingCheckpointShards, bind_folding, folding_spec_of
 from deepspeed.utils import log_dist, set_log_level_from_string
 from ds_config import ConfigError, ConfigProblem
 
@@ -140,6 +140,8 @@ def add_checkpoint_shards(engine: Any) -> None:
         from deepspeed.runtime.autotp import checkpoint_shards
 
         engine.checkpoint_shards = checkpoint_shards(engine)
+    if folding_spec_of(engine.module) is not None:  # AutoEP folded onto AutoTP: the layout in every file
+        engine.checkpoint_shards = (*engine.checkpoint_shards, AutoEPFoldingCheckpointShards(engine))
 
 
 def attach_features(engine: Any, config: Any, training_data: Any, collate_fn: Any) -> None:
