@@ -1,5 +1,5 @@
 """DeepCompile over ZeRO-3 (``compile: {deepcompile: true}``, ``engine.compile()``) trains exactly like the eager
-ZeRO-3 engine: 2 real gloo ranks, same losses and weights bitwise, the parameters gathered by the graphs' own
+ZeRO-3 engine: 2 real gloo ranks, gradient accumulation, same losses and weights bitwise, the parameters gathered by the graphs' own
 ``dc`` operators and released between steps."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def _train(deepcompile: bool, steps: int) -> dict:
     from deepspeed.compile.util import get_deepcompile_handle
 
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3}, "compile": {"deepcompile": deepcompile}}
     engine, *_ = deepspeed.initialize(model=_Net(), config=config)
     if deepcompile:
@@ -49,8 +50,8 @@ def _train(deepcompile: bool, steps: int) -> dict:
 
 
 def _compare() -> dict:
-    eager = _train(False, 3)
-    compiled = _train(True, 3)
+    eager = _train(False, 4)  # 4 micro-steps: 2 optimizer steps of 2 accumulated backward passes
+    compiled = _train(True, 4)
     return {"eager": eager, "compiled": compiled}
 
 
@@ -62,3 +63,25 @@ def test_deepcompile_zero3_matches_eager_zero3_bitwise():
         assert compiled["losses"] == eager["losses"]
         assert all(torch.equal(a, b) for a, b in zip(compiled["weights"], eager["weights"], strict=True))
         assert all(compiled["released"])  # no whole parameter outlives its step
+
+
+def _stage_checks() -> list:
+    import deepspeed
+    from ds_config import ConfigError
+
+    seen = []
+    for stage in (0, 1):
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": stage}, "compile": {"deepcompile": True}}
+        engine, *_ = deepspeed.initialize(model=_Net(), config=config)
+        try:
+            engine.compile(backend="eager")
+            seen.append((stage, engine.is_compiled, engine.is_deepcompile_active()))
+        except ConfigError as exc:
+            seen.append((stage, "zero_optimization.stage" in str(exc)))
+        engine.destroy()
+    return seen
+
+
+def test_deepcompile_stage0_compiles_plainly_and_stage1_is_refused_by_name():
+    assert run_distributed(_stage_checks, world_size=1, timeout=120) == [[(0, True, False), (1, True)]]

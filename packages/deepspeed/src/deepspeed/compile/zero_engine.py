@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from deepspeed.utils import log_dist
 from ds_config import ConfigError, ConfigProblem
 
 
@@ -42,6 +43,11 @@ def compile_zero(engine: Any, backend: Any, kwargs: dict[str, Any], schedule: An
     from deepspeed.compile.init_z3 import init_z3
 
     stage = engine.zero_optimization_stage()
+    if stage == 0:  # as DeepSpeed: nothing for DeepCompile to do, plain torch.compile
+        log_dist("DeepCompile supports ZeRO stages 1-3; with stage 0 the module is compiled with torch.compile",
+                 ranks=[0])
+        engine.module.compile(backend=backend, **kwargs)
+        return
     if stage != 3:
         raise ConfigError(ConfigProblem("zero_optimization.stage", "DeepCompile's ZeRO passes are built for ZeRO "
                                         "stage 3 in this version; accepted: 3", stage))
