@@ -1,6 +1,6 @@
 """DeepCompile over ZeRO-3 (``compile: {deepcompile: true}``, ``engine.compile()``) trains exactly like the eager
-ZeRO-3 engine: 2 real gloo ranks, gradient accumulation, same losses and weights bitwise, the parameters gathered by the graphs' own
-``dc`` operators and released between steps."""
+ZeRO-3 engine: 2 real gloo ranks, gradient accumulation, same losses and weights bitwise, the parameters gathered
+by the graphs' own ``dc`` operators and released between steps."""
 
 from __future__ import annotations
 
