@@ -398,12 +398,6 @@ def _build_tasks() -> list[_Task]:
     return tasks
 
 
-def _remove_sync_calls(graph: Graph) -> None:
-    sync_fns = {offload_adam_states_sync, reload_adam_states_sync, sync_offload_states, sync_reload_states}
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in sync_fns]:
-        graph.erase_node(node)
-
-
 def _plan_forward(graph: Graph, graph_id: int, graph_order: list, peaks: dict[str, int], budget: float) -> None:
     global offload_tasks_inserted, total_reload_mem
     if graph_id == graph_order[0][0]:  # a new compile phase: start over (no double scheduling)
@@ -480,7 +474,6 @@ def _plan_backward(graph: Graph, graph_id: int, graph_order: list, peaks: dict[s
 def offload_opt_states_inc(graph: Graph, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: Any,
                            mem_budget: float, param_manager: Any, bwd: bool) -> Graph:
     """Insert this graph's offload (forward) or reload (backward) operators, planned against the profile."""
-    _remove_sync_calls(graph)
     register_offload_ops()
     profile = profiling_results[graph_id]
     budget = _budget()
@@ -503,7 +496,6 @@ def move_opt_states_sync(gm: GraphModule, graph_id: int, graph_order: list[tuple
                          create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
     """Everything out at the head of the first forward graph, back at the end of backward (no profile needed:
     a zero budget schedules every state)."""
-    _remove_sync_calls(gm.graph)
     register_offload_ops()
     peaks = _running_peaks(gm.graph, [], reverse=bwd)
     if bwd:
