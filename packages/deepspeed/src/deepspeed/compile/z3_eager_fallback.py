@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -114,7 +115,7 @@ class DeepCompileZ3EagerFallback:
     def _set_in_forward(self, on: bool) -> None:
         for module in self.engine.module.modules():
             if on:
-                ensure_zero_ordered_dict(module)
+                ensure_zero_ordered_dict(module)  # the scheduler's tables too: they read through the fallback
             if isinstance(module._parameters, ZeROOrderedDict):
                 module._parameters._in_forward = on
 
@@ -250,3 +251,7 @@ class DeepCompileZ3EagerFallback:
             "last_completed_forward_graph_ids": list(self._last["completed"]),
             "total_gathered_params": self.total_gathered_params,
         }
+
+
+# the parameter tables (ds_zero) find the active tracker and the guard test through these, looked up at each read
+parameter_offload.eager_fallback_hooks = (lambda: _ACTIVE_FALLBACK, lambda: is_dynamo_guard_evaluation())

@@ -9,13 +9,56 @@ scheduler's; backward needs no module hooks of its own (the gathers for backward
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ds_zero.zero3.schedule import ParamScheduler
-from ds_zero.zero3.schedule import _ZeroParamDict as ZeROOrderedDict  # DeepSpeed's name for a module's _parameters
-from ds_zero.zero3.schedule import ensure_param_table as ensure_zero_ordered_dict
+from ds_zero.zero3.param import ZeroParamStatus
+from ds_zero.zero3.schedule import ParamScheduler, _ZeroParamDict, ensure_param_table
+
+# A compiler-driven ZeRO-3 (DeepCompile) that runs forwards without the module hooks installs two callables here:
+# ``() -> its active eager-fallback tracker or None`` and ``() -> is this read Dynamo's guard evaluation``.
+eager_fallback_hooks: tuple[Callable[[], Any], Callable[[], bool]] | None = None
+
+
+def print_rank_0(message: str, force: bool = False) -> None:
+    """DeepSpeed's debug print of this module (shown on rank 0 only when ``force``)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if force and (not distributed or torch.distributed.get_rank() == 0):
+        print(message)
+
+
+class ZeROOrderedDict(_ZeroParamDict):
+    """DeepSpeed's ``ZeROOrderedDict`` (a module's ``_parameters``). While ``_in_forward`` is set (a forward run
+    without the module hooks, under DeepCompile), reading a released parameter gathers it and reports it to the
+    active eager-fallback tracker, except for a read made by Dynamo's guards (they must see it released)."""
+
+    _in_forward = False
+
+    def __getitem__(self, key: str) -> Any:
+        param = super().__getitem__(key)
+        if param is None or not hasattr(param, "ds_status") or not self._in_forward or \
+                torch.compiler.is_compiling():
+            return param
+        fallback, in_guard = None, False
+        if eager_fallback_hooks is not None:
+            fallback = eager_fallback_hooks[0]()
+            in_guard = fallback is not None and eager_fallback_hooks[1]()
+        if param.ds_status == ZeroParamStatus.AVAILABLE:
+            if fallback is not None and not in_guard:
+                fallback.record_param_access(param)
+            return param
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            return param
+        if in_guard:  # gathering here would hold a whole parameter before the compiled forward starts
+            fallback.record_guard_suppressed_param(param)
+            return param
+        param.all_gather()
+        if fallback is not None:
+            fallback.record_gathered_param(param)
+        print_rank_0(f"Registering external parameter from getter {key} ds_id = {param.ds_id}")
+        return param
 
 __all__ = ["DeepSpeedZeRoOffload", "PartitionedParameterCoordinator", "ZeROOrderedDict", "ensure_zero_ordered_dict"]
 
@@ -34,6 +77,15 @@ class PartitionedParameterCoordinator:
 
     def release_and_reset_all(self, module: torch.nn.Module | None = None) -> None:
         self._scheduler.release_all()
+
+
+def ensure_zero_ordered_dict(module: Any, keep_original: bool = True) -> None:
+    """DeepSpeed's ``ensure_zero_ordered_dict``: ``module._parameters`` becomes a :class:`ZeROOrderedDict` (a plain
+    dict is copied into one, see ``schedule.ensure_param_table``; the scheduler's own table changes class)."""
+    ensure_param_table(module, keep_original)
+    table = getattr(module, "_parameters", None)
+    if type(table) is _ZeroParamDict:
+        table.__class__ = ZeROOrderedDict
 
 
 class DeepSpeedZeRoOffload:
