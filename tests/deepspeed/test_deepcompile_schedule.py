@@ -316,3 +316,46 @@ def test_partitioner_without_zero3_leaves_the_graph_alone():
     fn = partitioner.get_wrapped_partitioner(False, [(0, 1, torch.Size([1]))], lambda j, i, **k: (j, j), 7, set())
     fn(GraphModule(torch.nn.Module(), g), [], num_fwd_outputs=1)
     assert "recompute" not in v.meta
+
+
+# ---- zero1_compile / zero2_compile -----------------------------------------------------------------------------
+def test_zero1_reduces_each_gradient_in_the_backward_graph():
+    from deepspeed.compile.graph_param import DSGraphParamManager
+    from deepspeed.compile.passes import zero_1_and_2_compile as z12
+
+    x, w0, w1 = torch.randn(3, 4), torch.randn(4, 4), torch.randn(4, 4)
+    fw = Graph()
+    for name in ("x", "w0", "w1"):
+        fw.placeholder(name)
+    fw.output(None)
+    params = [torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w1.clone())]
+    for i, p in enumerate(params):
+        p.param_id = 100 + i
+    manager = DSGraphParamManager(fw, [x, *params], [(1, 100, w0.shape), (2, 101, w1.shape)])
+    bw = Graph()
+    bx, tangent, bw0, bw1 = (bw.placeholder(n) for n in ("x", "tangents_1", "w0", "w1"))
+    g0 = bw.call_function(torch.matmul, (bw.call_function(torch.t, (bx, )), tangent))
+    g1 = bw.call_function(operator.mul, (g0, 2.0))
+    bw.output((None, g0, g1))
+    gm = z12.add_z2_reduce(GraphModule(torch.nn.Module(), bw), 7, [(7, True)], {}, None, 0.0, {7: manager}, True)
+
+    assert z12.add_z1_reduce(gm, 7, [], {}, None, 0.0, {7: manager}, False) is gm  # forward: unchanged
+    names = [n.name for n in gm.graph.nodes]
+    assert [n.op for n in gm.graph.nodes][:4] == ["placeholder"] * 4
+    assert names.index("reduce_param_w0") < names.index("reduce_param_w1") < names.index("end_backward_default")
+    handle = get_deepcompile_handle()
+    handle.cleanup()
+    received = []
+    try:
+        for p in params:
+            handle.register_param(p)
+        handle.set_grad_sink(lambda param, grad: received.append((param.param_id, grad.clone())))
+        t = torch.randn(3, 4)
+        out = gm(x, t, *params)
+    finally:
+        handle.cleanup()
+    expected = x.t() @ t
+    assert out == (None, None, None)  # the reducer owns the gradients
+    assert [i for i, _ in received] == [100, 101]
+    assert torch.equal(received[0][1], expected) and torch.equal(received[1][1], expected * 2)
+    validate_schedule([(0, [z12.NAME_Z2])], {z12.NAME_Z2: z12.add_z2_reduce})
