@@ -1,7 +1,8 @@
 """AutoEP with ZeRO stage 3: expert parameters are partitioned over their expert-data-parallel group (the ranks
 holding the same experts), the rest over the data-parallel group. On 4 gloo ranks with ``autoep_size`` 2, losses,
 expert gradients, gradient norms and the trained weights equal ZeRO stage 2's AutoEP run on the same seeds and
-batches; a checkpoint saved at stage 3 resumes to the same next loss."""
+batches; a checkpoint saved at stage 3 resumes to the same next loss, also through a Universal Checkpoint loaded at
+``autoep_size`` 2 and 1; consolidating it (zero_to_fp32, the 16-bit export) is refused."""
 
 from __future__ import annotations
 
@@ -92,7 +93,49 @@ def _train(stage: int, save_dir: str | None = None) -> dict:
         again, *_ = deepspeed.initialize(model=_Model(), config=_config(stage))
         again.load_checkpoint(save_dir, tag="z3")
         out["resumed"] = float(again(x).pow(2).mean())
+        out["universal"] = _universal_resume(save_dir, x)
     return out
+
+
+def _universal_resume(save_dir: str, x: torch.Tensor) -> dict[int, float]:
+    """Convert the ZeRO-3 AutoEP checkpoint to a Universal Checkpoint, load it at autoep_size 2 and 1 (each rank's
+    expert rows cut from every expert's file): the next loss, per autoep_size."""
+    import deepspeed
+    from deepspeed.checkpoint.ds_to_universal import convert
+
+    if dist.get_rank() == 0:
+        convert(f"{save_dir}/z3", f"{save_dir}/z3_universal")
+    dist.barrier()
+    out = {}
+    for ep in (2, 1):
+        cfg = _config(3)
+        cfg["expert_parallel"]["autoep_size"] = ep
+        cfg["checkpoint"] = {"load_universal": True}
+        torch.manual_seed(2)
+        engine, *_ = deepspeed.initialize(model=_Model(), config=cfg)
+        engine.load_checkpoint(save_dir, tag="z3_universal")
+        out[ep] = float(engine(x).pow(2).mean())
+    return out
+
+
+def test_zero3_autoep_checkpoint_refuses_consolidation(tmp_path):
+    """zero_to_fp32 and the 16-bit export would put one expert-parallel rank's experts in place of all of them."""
+    def body(save_dir: str) -> str:
+        import deepspeed
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=_Model(), config=_config(3))
+        engine.save_checkpoint(save_dir, tag="z3")
+        with pytest.raises(NotImplementedError, match="ds_to_universal.py"):
+            engine._zero3_consolidated_16bit_state_dict()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with pytest.raises(NotImplementedError, match="ds_to_universal.py"):
+                get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="z3")
+        return "ok"
+
+    assert run_distributed(body, world_size=4, args=(str(tmp_path),), timeout=120) == ["ok"] * 4
 
 
 def test_zero3_autoep_matches_zero2_autoep(tmp_path):
@@ -110,3 +153,5 @@ def test_zero3_autoep_matches_zero2_autoep(tmp_path):
         # experts over the expert-data-parallel group (2 ranks), everything else over all 4
         assert dict(got["placement"]) == {"w1": 2, "w2": 2, "w3": 2, "weight": 4, "bias": 4}
         assert got["resumed"] == pytest.approx(got["next"], rel=1e-6)
+        assert got["universal"][2] == pytest.approx(got["next"], rel=1e-6)
+        assert got["universal"][1] == pytest.approx(got["next"], rel=1e-5)

@@ -373,7 +373,47 @@ def _load_dict(path: str) -> Mapping[str, Any]:
     state = _load(path)
     if not isinstance(state, Mapping):
         raise ZeroToFp32Error(f"{path}: expected a dict, found {type(state).__name__}")
+    _raise_if_autoep_zero3_partitioned_state(state, path)
     return state
+
+
+class AutoEPZero3CheckpointError(ZeroToFp32Error, NotImplementedError):
+    """A ZeRO-3 AutoEP checkpoint: its experts are partitioned per expert-data-parallel group, so the same expert
+    names hold other experts on other ranks; putting partitions together by name would mix them."""
+
+
+def _raise_if_autoep_zero3_partitioned_state(state: Mapping[str, Any], path: str = "") -> None:
+    layers = state.get("ds_autoep_layers")
+    if isinstance(layers, list) and any(isinstance(entry, Mapping) and entry.get("checkpoint_format") ==
+                                        "zero3_partitioned" for entry in layers):
+        raise AutoEPZero3CheckpointError(
+            f"{path or 'model states'}: a ZeRO-3 AutoEP checkpoint (ds_autoep_layers with checkpoint_format "
+            "'zero3_partitioned') cannot be consolidated by zero_to_fp32; convert it with ds_to_universal.py")
+
+
+def _raise_if_autoep_zero3_partitioned_checkpoint(model_files: list[str]) -> None:
+    """DeepSpeed's check: refuse model-states files of a ZeRO-3 AutoEP checkpoint (see
+    :class:`AutoEPZero3CheckpointError`)."""
+    for path in model_files:
+        _load_dict(path)
+
+
+def parse_model_states(files: list[str]) -> list[dict[str, Any]]:
+    """DeepSpeed's reader of model-states files: per file its fp32 buffers, ``param_shapes``, ``shared_params``,
+    ``ds_version`` and frozen parameter shapes and fragments (a ZeRO-3 AutoEP checkpoint is refused)."""
+    out = []
+    for path in files:
+        state = _load_dict(path)
+        if "buffer_names" not in state:
+            raise ZeroToFp32Error(f"{path} is not a model state checkpoint (no 'buffer_names')")
+        names = set(state["buffer_names"] or [])
+        module = state.get("module") or {}
+        out.append({"buffers": {k: v.float() for k, v in module.items() if k in names},
+                    "param_shapes": _param_groups(state, path), "shared_params": dict(state.get("shared_params") or {}),
+                    "ds_version": state.get("ds_version"),
+                    "frozen_param_shapes": state.get("frozen_param_shapes"),
+                    "frozen_param_fragments": state.get("frozen_param_fragments")})
+    return out
 
 
 def _needs_rank_files(main: Mapping[str, Any]) -> bool:

@@ -74,6 +74,14 @@ from deepspeed.checkpoint.autoep_convert import autoep_layers_of, convert_autoep
 from deepspeed.checkpoint.autoep_metadata import (  # DeepSpeed's private name for it
     aggregate_autoep_zero12_metadata as _aggregate_autoep_zero12_metadata,  # noqa: F401
 )
+from deepspeed.checkpoint.autoep_zero3 import (  # DeepSpeed's private names for the ZeRO-3 AutoEP checks
+    _autoep_expert_param_names_by_rank as _autoep_expert_param_names_by_rank,
+)
+from deepspeed.checkpoint.autoep_zero3 import _get_zero3_model_state_files as _get_zero3_model_state_files
+from deepspeed.checkpoint.autoep_zero3 import (
+    _uses_zero3_partitioned_autoep_metadata as _uses_zero3_partitioned_autoep_metadata,
+)
+from deepspeed.checkpoint.autoep_zero3 import expert_lazy_states, uses_partitioned_experts
 from deepspeed.checkpoint.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS
 from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
 from deepspeed.checkpoint.tp_merge import group_per_tp_shapes as _group_per_tp_shapes  # noqa: F401 - DeepSpeed names
@@ -214,7 +222,11 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
     if stage <= 2:
         _check_required_state(main_state, inject_missing_state, model_files[0])
     shapes = z._param_groups(main_state, model_files[0])
-    lazy, steps = _lazy_states(stage, world, sections, paths, shapes, model_files[0])
+    experts: set[str] = set()
+    if stage == 3 and uses_partitioned_experts(sections):  # AutoEP experts: partitions per expert group
+        lazy, steps, experts = expert_lazy_states(sections, paths, [z._load(f) for f in model_files], shapes)
+    else:
+        lazy, steps = _lazy_states(stage, world, sections, paths, shapes, model_files[0])
     names = [name for group in shapes for name in group if name not in written]
     group_of = {name: g for g, group in enumerate(shapes) for name in group}
     where = f" (pipeline stage {mp_rank} of {mp_world})" if mp_world > 1 else ""
@@ -225,6 +237,8 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
         for key, tensors in lazy.items():
             value = tensors[name].contiguous()  # one parameter's state in memory at a time
             obj = value.reshape(-1) if stage == 3 else {PARAM: value, CAT_DIM: 0}
+            if name in experts:  # every expert's rows: a universal load takes its own expert-parallel rank's
+                obj = {PARAM: value, CAT_DIM: 0, "is_expert_param": True}
             _save(os.path.join(param_dir, f"{key}.pt"), obj)
             del value, obj
         if group_of[name] in steps:  # DeepSpeed writes it at stage 1/2; stage 3 gets it too (loaders ignore it)

@@ -111,6 +111,7 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
         """From a Universal Checkpoint folder: each parameter's ``zero/<name>/*.pt`` is read and only this rank's
         slice of it kept (the weights always, Adam's states when asked). Reads now; the returned step applies."""
         from ds_zero.checkpoint import (
+            EXPERT_ROWS_ATTR,
             check_universal_folders,
             check_universal_groups,
             read_universal,
@@ -136,7 +137,9 @@ class Zero3CheckpointShards(ZeroCheckpointShards):
                 if start >= end:
                     continue
                 for key, flat in flats.items():
-                    flat[offset:offset + end - start] = read_universal(ctx, load, name, key, p.ds_numel)[start:end]
+                    # an AutoEP expert's file holds every expert-parallel rank's experts: this rank's rows
+                    value = read_universal(ctx, load, name, key, p.ds_numel, getattr(p, EXPERT_ROWS_ATTR, None))
+                    flat[offset:offset + end - start] = value[start:end]
             masters.append(flats.pop("fp32"))
             if flats:
                 new_state[g] = {**universal_step(ctx, load, group.names, common, g), **flats}

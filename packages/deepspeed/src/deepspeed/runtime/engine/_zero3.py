@@ -288,12 +288,25 @@ class Zero3EngineMethods:
         if self.zero3_scheduler is not None:
             self.zero3_scheduler.release_all(include_persistent=True)
 
+    def _has_autoep_layers(self) -> bool:
+        return any(getattr(m, "_is_autoep_layer", False) for m in self.module.modules())
+
+    def _raise_if_autoep_zero3_consolidated_export(self, api: str) -> None:
+        """A consolidated 16-bit state dict gathers each parameter over its partition group: for AutoEP experts that
+        is only this rank's experts, so rank 0 would write a model with the other expert-parallel ranks' experts
+        missing. Refused, as in DeepSpeed, pointing at the universal conversion."""
+        if self.zero_optimization_partition_weights() and self._has_autoep_layers():
+            raise NotImplementedError(f"{api}: AutoEP with ZeRO stage 3 has no consolidated 16-bit export (each "
+                                      "expert-parallel rank holds other experts); save a checkpoint and convert it "
+                                      "with ds_to_universal.py")
+
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """The whole model's weights (training dtype, on the CPU) and persistent buffers, gathered module by
         module so no rank ever holds more than one module's weights at a time beyond the result. Collective;
         rank 0 gets the state dict, the other ranks an empty one (as in DeepSpeed)."""
         from ds_zero.zero3 import GatheredParameters
 
+        self._raise_if_autoep_zero3_consolidated_export("_zero3_consolidated_16bit_state_dict (save_16bit_model)")
         if self.zero3_scheduler is None:
             raise RuntimeError("_zero3_consolidated_16bit_state_dict: this engine does not run ZeRO stage 3 "
                                f"(stage {self.zero_optimization_stage()}); use module.state_dict()")
