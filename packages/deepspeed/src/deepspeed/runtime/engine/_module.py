@@ -32,6 +32,8 @@ def broadcast_module(module: torch.nn.Module, dp_group: Any, params: list[torch.
         return
     src = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
     params = list(module.parameters()) if params is None else params
+    # deepspeed.linear's sharded LoRA base weights (ds_optim_param) hold a different slice on each rank by design
+    params = [p for p in params if not hasattr(p, "ds_optim_param")]
     with torch.no_grad():
         for tensor in [*params, *module.buffers()]:
             dist.broadcast(tensor.data, src=src, group=dp_group)
