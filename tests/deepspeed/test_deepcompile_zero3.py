@@ -27,6 +27,7 @@ def _train(deepcompile: bool, steps: int) -> dict:
     from deepspeed.compile.util import get_deepcompile_handle
 
     torch.manual_seed(0)
+    gathers_before = get_deepcompile_handle().gathers  # the harness may reuse a worker process
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3}, "compile": {"deepcompile": deepcompile}}
@@ -44,7 +45,7 @@ def _train(deepcompile: bool, steps: int) -> dict:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         weights = [p.detach().clone() for p in engine.module.parameters()]
     result = {"losses": losses, "weights": weights, "released": released,
-              "gathers": get_deepcompile_handle().gathers, "active": engine.is_deepcompile_active()}
+              "gathers": get_deepcompile_handle().gathers - gathers_before, "active": engine.is_deepcompile_active()}
     engine.destroy()
     return result
 

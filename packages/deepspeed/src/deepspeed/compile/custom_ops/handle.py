@@ -108,6 +108,7 @@ class DeepCompileHandle:
         self.reset()
         self.params.clear()
         self.grad_sink = None
+        self.gathers = 0
 
     # ---- operators -----------------------------------------------------------------------------------------
     def allgather_param(self, graph_id: int, ds_id: int, dtype: torch.dtype | None = None) -> torch.Tensor:
