@@ -1,11 +1,14 @@
 """Prefetch by a recorded trace: the order in which gather units were fetched during the last complete pass
 (forward, and backward when there was one) predicts the next pass.
 
-While a pass replays the trace, fetching the unit at position ``i`` lets the scheduler start the gathers of the
-units that follow, up to ``prefetch_bucket_size`` elements ahead and never past ``max_live_parameters`` gathered
-elements; and a unit whose next use is fewer than ``max_reuse_distance`` elements away is kept rather than
-released. A pass that fetches another unit than the trace predicts (a dynamic model, an eval pass after a
-training pass) stops prefetching for the rest of the pass; the trace is then rebuilt from what that pass did.
+While a pass replays the trace, fetching the unit at position ``i`` lets the scheduler walk the trace ahead
+(``Lookahead``: each position once per pass, as DeepSpeed's fetch queue) and start the gathers of what is not
+gathered yet, up to ``prefetch_bucket_size`` elements of gathers and never past ``max_live_parameters``
+gathered elements. A parameter the walk passes while it is gathered already (or on its way) stays gathered until
+that later use instead of being released and gathered again, as DeepSpeed keeps what its prefetch skipped; and a
+unit whose next use is fewer than ``max_reuse_distance`` elements away is kept rather than released. A pass
+that fetches another unit than the trace predicts (a dynamic model, an eval pass after a training pass) stops
+prefetching, and keeping, for the rest of the pass; the trace is then rebuilt from what that pass did.
 """
 
 from __future__ import annotations
@@ -92,3 +95,25 @@ class TraceCache:
         self.recording = Trace()
         self.on_track = self.trace is not None
         return changed and self.rebuilt > 1
+
+
+class Lookahead:
+    """The prefetch walk of one pass: the next trace position to visit, and per parameter (``ds_id``) the last
+    position the walk passed it at. A parameter passed at a position after the running one is still wanted there:
+    the scheduler does not release it before then."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.keep_until: dict[int, int] = {}
+
+    def passed(self, ds_id: int, position: int) -> None:
+        if self.keep_until.get(ds_id, -1) < position:
+            self.keep_until[ds_id] = position
+
+    def kept(self, ds_id: int, position: int) -> bool:
+        """True while ``ds_id`` has a use the walk passed after ``position``."""
+        return self.keep_until.get(ds_id, -1) > position
+
+    def reset(self) -> None:
+        self.next = 0
+        self.keep_until.clear()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ds_zero.zero3._collectives import PendingGather, gather_now, start_gather
-from ds_zero.zero3._prefetch import TraceCache, TraceSettings
+from ds_zero.zero3._prefetch import Lookahead, TraceCache, TraceSettings
 from ds_zero.zero3.gather_pool import clear as clear_full_pool
 from ds_zero.zero3.leaf import apply_granularity_threshold
 from ds_zero.zero3.linear import install_functional_linear, remove_functional_linear, use_memory_efficient_linear
@@ -204,6 +204,7 @@ class ParamScheduler:
                                  settings.module_granularity_threshold)
         self.by_id = {u.id: u for u in self.units}
         self.cache = TraceCache()
+        self.lookahead = Lookahead()
         self.stack: list[GatherUnit] = []
         self.pending: dict[int, PendingGather] = {}  # ds_id -> the gather bringing it
         self.in_pass = False
@@ -305,6 +306,7 @@ class ParamScheduler:
     def invalidate_trace(self) -> None:
         """Forget the recorded module order (a pass ran without the hooks, or another order is coming)."""
         self.cache = TraceCache()
+        self.lookahead.reset()
 
     @property
     def trace_invalid(self) -> bool:
@@ -465,14 +467,22 @@ class ParamScheduler:
         if s.prefetch_numel <= 0 or trace is None:
             return
         wanted: list[torch.nn.Parameter] = []
-        budget = s.max_live_numel - self._live_numel()
-        for j in trace.ahead(position, s.prefetch_numel):
-            for p in self.by_id[trace.units[j]].all_params():
-                if p.ds_status is ZeroParamStatus.NOT_AVAILABLE and all(p is not q for q in wanted):
-                    if p.ds_numel > budget:
-                        break
-                    budget -= p.ds_numel
-                    wanted.append(p)
+        budget, fetching, look = s.max_live_numel - self._live_numel(), 0, self.lookahead
+        j = max(look.next, position + 1)
+        while j < len(trace.units) and fetching < s.prefetch_numel:
+            params = [p for p in self.by_id[trace.units[j]].all_params() if not p.ds_persist]
+            need = [p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE
+                    and all(p is not q for q in wanted)]
+            numel = sum(p.ds_numel for p in need)
+            if numel > budget:  # max_live_parameters: this position is visited again once memory is released
+                break
+            for p in params:
+                look.passed(p.ds_id, j)
+            wanted += need
+            budget -= numel
+            fetching += numel
+            j += 1
+        look.next = j
         if wanted:
             pending = start_gather(wanted)
             for p in wanted:
@@ -508,8 +518,10 @@ class ParamScheduler:
             distance = trace.reuse_distance(pos)
             if distance is not None and distance < self.trace_settings.max_reuse_distance:
                 return
+        position = self.cache.position if self.cache.on_track else None
         for p in unit.all_params():
-            if not p.ds_active_sub_modules and p.ds_id not in self.pending:
+            if not p.ds_active_sub_modules and p.ds_id not in self.pending \
+                    and (position is None or not self.lookahead.kept(p.ds_id, position)):
                 release_one(p)
 
     def release_all(self, include_persistent: bool = False) -> None:
@@ -535,6 +547,7 @@ class ParamScheduler:
         self.stack.clear()
         self.in_pass = self.backward_pending = False
         self._fetched_at.clear()
+        self.lookahead.reset()
         self._landed.clear()
         self._params_cache = None
         for swapper in self.swappers():  # partitions read ahead for a pass that went elsewhere
