@@ -76,20 +76,35 @@ def _offloads(section: Any) -> bool:
     return getattr(device, "value", device) not in (None, "none")
 
 
-def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any,
-                  data_first: bool = False, folding: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """AutoEP: the model's Hugging Face MoE blocks become expert-parallel layers; a parameter list or a client
-    optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them).
-    ``folding``: AutoEP folded onto AutoTP's tensor-parallel ranks (``ds_moe.autoep.folded``)."""
-    import torch
+def _folder(model: Any, ds_config: Any) -> Any:
+    """AutoTP's ``before_shard`` step when AutoEP is enabled too: fold AutoEP onto the tensor-parallel ranks
+    (``ds_moe.autoep.folded``) before AutoTP shards, so AutoTP leaves the AutoEP layers (router, experts) alone."""
+    if not ds_config.expert_parallel.enabled:
+        return None
 
-    from ds_moe.autoep import apply_autoep, as_autoep_config, remap_parameters
-
-    if folding is not None:
+    def fold(tp_mpu: Any) -> None:
+        from ds_moe.autoep import as_autoep_config
         from ds_moe.autoep.folded import apply_autoep_folded
 
-        apply_autoep_folded(model, as_autoep_config(section), **folding)
-    else:
+        folding = _autoep_folding(ds_config, tp_mpu)
+        if folding is not None:
+            apply_autoep_folded(model, as_autoep_config(ds_config.expert_parallel), **folding)
+
+    return fold
+
+
+def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any,
+                  data_first: bool = False) -> tuple[Any, Any]:
+    """AutoEP: the model's Hugging Face MoE blocks become expert-parallel layers; a parameter list or a client
+    optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them).
+    Folded onto AutoTP (done before AutoTP sharded, :func:`_folder`): the parameters AutoTP made get their
+    gradient corrections too."""
+    import torch
+
+    from ds_moe.autoep import apply_autoep, remap_parameters
+    from ds_moe.autoep.folded import hook_new_parameters
+
+    if not hook_new_parameters(model):
         apply_autoep(model, section, use_data_before_expert_parallel=data_first)  # the engine's group order
     if isinstance(model_parameters, (list, tuple)):
         model_parameters = remap_parameters(model_parameters, model)
@@ -129,7 +144,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if pipe is None:  # AutoTP: shard the model, tensor/data groups as the mpu
         from deepspeed.runtime.autotp import apply_autotp
 
-        mpu, model_parameters, optimizer = apply_autotp(model, ds_config, mpu, model_parameters, optimizer)
+        mpu, model_parameters, optimizer = apply_autotp(model, ds_config, mpu, model_parameters, optimizer,
+                                                        before_shard=_folder(model, ds_config))
     if ds_config.sequence_parallel_size > 1 or mpu is not None:  # sequence groups of the config's size
         from deepspeed.sequence.groups import sequence_mpu
 
@@ -147,8 +163,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     comm.configure(ds_config)
     if ds_config.expert_parallel.enabled:
         model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer,
-                                                    ds_config.use_data_before_expert_parallelism,
-                                                    folding=_autoep_folding(ds_config, mpu))
+                                                    ds_config.use_data_before_expert_parallelism)
     if ds_config.hybrid_engine.enabled:
         engine_class = _hybrid_engine_class(engine_class)
     engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,

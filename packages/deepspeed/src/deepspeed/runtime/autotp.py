@@ -198,17 +198,19 @@ def _remap(params: Any, renamed: Mapping[int, torch.nn.Parameter]) -> Any:
     return [renamed.get(id(p), p) for p in params]
 
 
-def apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any, Any]:
+def apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any,
+                 before_shard: Callable[[Any], None] | None = None) -> tuple[Any, Any, Any]:
     """Shard ``model`` when the config (or ``tp_model_init``) asks for AutoTP; returns the mpu to use and the
     parameter list / client optimizer pointed at the sharded tensors. ``tp_model_init``'s record serves this
     one ``initialize`` even when it fails, so a corrected retry does not inherit a stale tp_size."""
     try:
-        return _apply_autotp(model, config, mpu, model_parameters, optimizer)
+        return _apply_autotp(model, config, mpu, model_parameters, optimizer, before_shard)
     finally:
         _RECORDED.clear()
 
 
-def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any) -> tuple[Any, Any, Any]:
+def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, optimizer: Any,
+                  before_shard: Callable[[Any], None] | None = None) -> tuple[Any, Any, Any]:
     section = config.tensor_parallel
     tp_size = _tp_size(config, mpu)
     if tp_size <= 1:
@@ -224,6 +226,8 @@ def _apply_autotp(model: Any, config: Any, mpu: Any, model_parameters: Any, opti
         warnings.warn("tensor_parallel.replace_with_kernel_inject: fused kernels are not available in this "
                       "version; AutoTP trains with plain torch layers", UserWarning, stacklevel=3)
     mpu = _groups(tp_size, mpu)
+    if before_shard is not None:  # AutoEP folding: its layers exist before AutoTP, which then leaves them alone
+        before_shard(mpu)
     set_autotp_mode(training=True)
     before = dict(model.named_parameters())
     autotp_shard(model, mpu.get_tensor_model_parallel_group(), layer_specs=layer_specs(model, section),

@@ -31,6 +31,16 @@ HEAD_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention
                    "kv_n_heads", "d_model", "split_size")
 
 
+def _owned_by_expert_parallelism(name: str, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``name`` lies inside an AutoEP layer (``_is_autoep_layer``) outside its shared experts: its router
+    stays replicated and its experts are sharded over the expert-parallel group, not the tensor group."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        if getattr(modules.get(".".join(parts[:i])), "_is_autoep_layer", False):
+            return i >= len(parts) or not parts[i].startswith("shared_experts")
+    return False
+
+
 def autotp_shard(model: nn.Module, tp_group: dist.ProcessGroup | None, *,
                  injection_policy: Mapping[Any, Any] | None = None, tp_grain_size: int = 64,
                  keep_module_on_host: bool = False, layer_specs: Sequence[TPLayerSpec] | None = None,
@@ -69,9 +79,10 @@ def autotp_shard(model: nn.Module, tp_group: dist.ProcessGroup | None, *,
         if not placements:
             raise ValueError(f"AutoTP found no linear layers to shard in {type(model).__name__}; pass "
                              "injection_policy={block class: (names of the all-reduce linears,)}")
+    modules = dict(model.named_modules())
+    placements = {name: p for name, p in placements.items() if not _owned_by_expert_parallelism(name, modules)}
     if tp_size == 1:
         return model
-    modules = dict(model.named_modules())
     attention_parents = set()
     for name, placement in placements.items():
         _replace(model, name, _tp_layer(modules[name], name, placement, meta, tp_group, device))

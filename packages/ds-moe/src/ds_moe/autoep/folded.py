@@ -117,3 +117,14 @@ def apply_autoep_folded(model: nn.Module, config: AutoEPConfig, *, tp_group: Any
             mark_autoep_folding_router_parameter(param)
     install_folding_gradient_hooks(model, handles)
     return spec, [s.moe_module_name for s in specs]
+
+
+def hook_new_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` is folded; if so, hook the parameters made after :func:`apply_autoep_folded` (AutoTP's
+    shards run after it; a sharded layer's replicated bias needs the ``average`` correction too)."""
+    handles = next((m.folding_group_handles for m in model.modules()
+                    if getattr(m, "folding_group_handles", None) is not None), None)
+    if handles is None:
+        return False
+    install_folding_gradient_hooks(model, handles)
+    return True
