@@ -38,9 +38,9 @@ class _TinyLM(torch.nn.Module):
     """Takes the batch as ``prepare_autosp_inputs`` returns it; the causal-and-padding mask is built from the
     position ids (query rows: this rank's shard under AutoSP) and the whole padding mask (keys)."""
 
-    def __init__(self, graph_break: bool = False, causal_flag: bool = False) -> None:
+    def __init__(self, graph_break: bool = False, causal_flag: bool = False, cache_mask: bool = False) -> None:
         super().__init__()
-        self.causal_flag = causal_flag
+        self.causal_flag, self.cache_mask = causal_flag, cache_mask
         self.embed, self.pos = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Embedding(SEQ, HIDDEN)
         self.blocks = torch.nn.ModuleList([_Block(), _Block()])
         self.head = torch.nn.Linear(HIDDEN, VOCAB)
@@ -49,7 +49,11 @@ class _TinyLM(torch.nn.Module):
     def forward(self, batch):
         input_ids, labels, position_ids, padding = batch
         keys = torch.arange(padding.shape[1], device=padding.device)
-        mask = None if self.causal_flag else (position_ids[:, None, :, None] >= keys) & padding[:, None, None, :].bool()
+        # cache_mask: query rows from arange(the input's length), as Hugging Face's cache positions: AutoSP keeps
+        # them whole (computed from the length symbol, not from the sharded inputs)
+        cache = torch.arange(input_ids.shape[1], device=input_ids.device)
+        rows = cache[None, :].expand(position_ids.shape[0], -1) if self.cache_mask else position_ids
+        mask = None if self.causal_flag else (rows[:, None, :, None] >= keys) & padding[:, None, None, :].bool()
         x = self.embed(input_ids) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x, mask)
@@ -88,12 +92,12 @@ def _config(sp: int, **extra) -> dict:
             "compile": {"deepcompile": True, "passes": ["autosp"]}, **extra}
 
 
-def _autosp_training(backend: str, stage: int = 0) -> list[float]:
+def _autosp_training(backend: str, stage: int = 0, cache_mask: bool = False) -> list[float]:
     import deepspeed
     from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
     expected, final, initial = _reference()
-    model = _TinyLM()
+    model = _TinyLM(cache_mask=cache_mask)
     model.load_state_dict(initial)
     config = _config(dist.get_world_size(), zero_optimization={"stage": stage}, zero_allow_untested_optimizer=True)
     engine, *_ = deepspeed.initialize(model=model, config=config)
@@ -118,6 +122,13 @@ def test_compiled_model_on_two_ranks_trains_like_one_process():
     # only adds C++ compilation time; benchmarks/autosp.py runs it)
     losses = run_distributed(_autosp_training, world_size=2, args=("aot_eager",), timeout=180)
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
+
+
+def test_mask_built_from_the_whole_length_trains_like_one_process():
+    # Hugging Face's layout: the mask's query rows come from arange(seq), not from the sharded inputs, so the graph
+    # keeps them whole, as the all-to-all layout needs
+    losses = run_distributed(_autosp_training, world_size=2, args=("eager", 0, True), timeout=180)
+    assert losses[0] == losses[1]
 
 
 def test_autosp_with_zero_stage_1_trains_like_one_process():

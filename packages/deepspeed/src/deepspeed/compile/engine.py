@@ -1,10 +1,11 @@
 """``DeepSpeedEngine.compile``: plain ``torch.compile`` of the wrapped module, or DeepCompile's AutoSP pass.
 
 AutoSP (``compile: {deepcompile: true, passes: ["autosp"]}`` with ``sequence_parallel_size: P``) compiles the
-module's call with a backend that runs ``passes.sp_compile.autosp_pass`` and then AutoSP's memory optimization
-(``passes.long_context_checkpointing``: selective activation checkpointing) before the requested backend, and puts a
-thin call in front of it that keeps each rank's sequence shard of the inputs ``prepare_autosp_inputs`` marked.
-Each rank's loss is then the loss of its shard (e.g. a mean over its tokens), so gradients are averaged over the
+module's call with a backend that runs AutoSP's graph passes (``passes.sp_compile.apply_autosp``: the whole
+sequence enters the graph, the graph keeps this rank's shard of the inputs ``prepare_autosp_inputs`` marked and
+puts all-to-alls around attention) and then AutoSP's memory optimization (``passes.long_context_checkpointing``:
+selective activation checkpointing) before the requested backend. Each rank's loss is then the loss of its shard
+(e.g. a mean over its tokens), so gradients are averaged over the
 sequence-data-parallel ranks (DeepSpeed's AutoSP treats the sequence ranks like data-parallel ones for the
 reduction), unlike hand-written Ulysses where each rank's loss is its share of the whole and sequence ranks sum.
 """
@@ -89,23 +90,19 @@ def check_deepcompile(section: Any) -> None:
 
 
 class _AutoSPCall:
-    """The module's call under AutoSP: shard the marked inputs, run the compiled graph, explain graph breaks."""
+    """The module's call under AutoSP: check the marked inputs, run the compiled graph, explain graph breaks."""
 
-    def __init__(self, compiled: Any, group: Any, key: int, world: int) -> None:
-        self.compiled, self.group, self.key, self.world = compiled, group, key, world
+    def __init__(self, compiled: Any, world: int) -> None:
+        self.compiled, self.world = compiled, world
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from deepspeed.compile.passes.sp_compile import UlyssesAttentionMode, has_marked_inputs, shard_inputs
+        from deepspeed.compile.passes.sp_compile import check_inputs
 
         if self.world == 1:
             return self.compiled(*args, **kwargs)
-        if not has_marked_inputs((args, kwargs)):
-            raise ValueError("AutoSP: no input marked for sequence sharding; pass the batch through "
-                             "deepspeed.compile.passes.sp_compile.prepare_autosp_inputs before each forward")
-        args, kwargs = shard_inputs((args, kwargs), self.group)
+        check_inputs((args, kwargs), self.world)
         try:
-            with UlyssesAttentionMode(self.key):  # traced by Dynamo into the graph it captures
-                return self.compiled(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:  # the AutoSP pass's own error, unwrapped
             raise exc.inner_exception from exc
         except torch._dynamo.exc.Unsupported as exc:
@@ -116,9 +113,8 @@ class _AutoSPCall:
 
 def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
     """Compile ``engine.module`` with the AutoSP pass over the engine's sequence-parallel group."""
-    from deepspeed.compile import all_to_all as _all_to_all
     from deepspeed.compile.passes import long_context_checkpointing
-    from deepspeed.compile.passes.sp_compile import autosp_pass
+    from deepspeed.compile.passes.sp_compile import apply_autosp
     from deepspeed.utils import groups
 
     if engine.zero_optimization_stage() not in (0, 1):
@@ -128,23 +124,30 @@ def compile_autosp(engine: Any, backend: Any, kwargs: dict[str, Any]) -> None:
         raise ValueError("engine.compile: AutoSP compiles the whole forward as one graph; drop fullgraph=False from "
                          "compile_kwargs")
     world = engine.sequence_parallel_size
-    group = groups._get_sequence_parallel_group()
-    key = _all_to_all.register_group(group)
+    if world > 1:  # the graph pass's mesh: groups of consecutive ranks, as the engine's sequence groups
+        group, rank = groups._get_sequence_parallel_group(), torch.distributed.get_rank()
+        if torch.distributed.get_rank(group) != rank % world:
+            raise RuntimeError(f"AutoSP needs sequence-parallel groups of consecutive ranks; rank {rank} is rank "
+                               f"{torch.distributed.get_rank(group)} of its group, not {rank % world}")
+    data = torch.distributed.get_world_size() // world if world > 1 else 1
+    if world > 1:  # now, on every rank together: creating the groups is collective
+        from deepspeed.compile.custom_ops import sp_dp_registry
+
+        sp_dp_registry.populate_registry(world, data)
     inner = backend if callable(backend) else torch._dynamo.lookup_backend(backend)
 
     checkpointing = long_context_checkpointing.enabled
 
     def autosp_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         if world > 1:
-            autosp_pass(gm, key)
+            apply_autosp(gm, example_inputs, sp_size=world, dp_size=data)
         if checkpointing:  # AutoSP's memory optimization: recompute matmuls, keep attention
             gm = long_context_checkpointing.selective_checkpoint(gm)
         return inner(gm, example_inputs)
 
     module = engine.module
-    compiled = torch.compile(module._call_impl, backend=autosp_backend, **{"dynamic": False, **kwargs,
-                                                                           "fullgraph": True})
-    module._compiled_call_impl = _AutoSPCall(compiled, group, key, world)  # what nn.Module.compile sets
+    compiled = torch.compile(module._call_impl, backend=autosp_backend, **{**kwargs, "fullgraph": True})
+    module._compiled_call_impl = _AutoSPCall(compiled, world)  # what nn.Module.compile sets
     _average_over_sequence_ranks(engine)
 
 

@@ -5,7 +5,7 @@ graph, the graph shards it) on the graph Dynamo captured, then AutoSP's memory o
 checkpointing, ``passes.long_context_checkpointing``), then the compiler (Inductor unless ``backend`` names another
 Dynamo backend). Compile with ``dynamic=True`` or tag and mark the inputs with ``prepare_autosp_inputs``, so the
 sequence length is a symbol the passes can divide, and with ``fullgraph=True``. ``DeepSpeedEngine.compile`` with
-``compile: {deepcompile: true, passes: ["autosp"]}`` shards the inputs before capture instead
+``compile: {deepcompile: true, passes: ["autosp"]}`` runs the same passes over the engine's sequence groups
 (``compile.engine``); both give each rank the loss of its shard.
 """
 

@@ -1,18 +1,24 @@
 """AutoSP: compiler-driven Ulysses sequence parallelism for models that attend with
 ``torch.nn.functional.scaled_dot_product_attention``.
 
-``prepare_autosp_inputs`` tags the token ids, labels and position ids with their sequence dimension. Before the
-compiled model runs, each rank keeps its contiguous 1/P of the tagged tensors along that dimension (P = the
-sequence-parallel size), so Dynamo captures the model at the local sequence length and every shape in the graph is
-the shard's. While Dynamo captures it, ``UlyssesAttentionMode`` (a torch function mode, which Dynamo traces into
-the graph) turns each SDPA call into the Ulysses pattern: query, key and value go through an all-to-all from
-``[batch, heads, seq/P, dim]`` to ``[batch, heads/P, seq, dim]`` (each rank attends over the whole sequence for its
-heads), the output through the reverse one. Attention masks are rebuilt for that layout: rows of a mask computed
-from the shard are gathered, a per-head mask keeps this rank's heads (its key dimension must span the whole
-sequence, e.g. built from the unsharded 2-D attention_mask). The graph pass ``autosp_pass`` then checks the captured
-FX graph: it must hold SDPA, every SDPA must be wrapped, and what could not be wrapped is explained. The graph must
-be whole: a graph break would cut the path from the inputs to the attention, so AutoSP compiles with
-``fullgraph=True``.
+Every rank passes the whole sequence. ``prepare_autosp_inputs`` tags the token ids, labels and position ids
+(``tensor.tag = constants.AUTOSP_*_KEY``, DeepSpeed's marker) and marks their sequence dimension dynamic, so Dynamo
+captures the model with the sequence length as a symbol ``s``. ``apply_autosp`` then rewrites the captured FX
+graph (P = ranks per sequence group, r = this rank's place in it):
+
+1. the tagged inputs are sliced to ``[r * (s // P), (r + 1) * (s // P))`` along dim 1 by nodes computed from the
+   symbol, so one graph serves every length (``sp_graph.shard_tensor_node``);
+2. every use of ``s`` in nodes computed from the tagged inputs becomes ``s // P`` (views, reshapes of the hidden
+   states); nodes not computed from them keep the whole length: an attention mask built from the whole
+   attention_mask or from cache positions (Hugging Face's) covers the whole sequence, as attention needs;
+3. every SDPA gets the Ulysses all-to-alls: query, key and value from ``[batch, heads, s/P, dim]`` to
+   ``[batch, heads/P, s, dim]`` (each rank attends over the whole sequence for its heads), the output back.
+   A mask whose query rows were computed from the sharded inputs has its rows gathered; a per-head mask keeps
+   this rank's heads (after the same all-to-all as the query when its rows are sharded). A mask whose key
+   dimension is sharded cannot be rebuilt and is an error;
+4. shapes are propagated again through the graph's own fake mode and the graph is recompiled.
+
+The graph must be whole (``fullgraph=True``): a graph break would cut the path from the inputs to the attention.
 """
 
 from __future__ import annotations
@@ -24,9 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.fx import GraphModule, Node
-from torch.overrides import TorchFunctionMode
 
 from deepspeed.compile import all_to_all as _all_to_all
 from deepspeed.compile import constants
@@ -91,138 +95,48 @@ def autosp_tag(value: Any) -> tuple[str, int] | None:
     return None
 
 
-def shard_inputs(value: Any, group: Any) -> Any:
-    """``value`` (tensors, possibly in tuples, lists and dicts) with every marked tensor replaced by this rank's
-    contiguous part of its sequence dimension."""
-    tag = autosp_tag(value)
-    if tag is not None:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        length = value.shape[tag[1]]
-        if length % world:
-            raise ValueError(f"AutoSP: the {tag[0]} sequence length ({length}, dim {tag[1]}) must be divisible by "
-                             f"sequence_parallel_size ({world})")
-        return value.narrow(tag[1], rank * (length // world), length // world)
-    if isinstance(value, (tuple, list)):
-        return type(value)(shard_inputs(v, group) for v in value)
-    if isinstance(value, dict):
-        return {k: shard_inputs(v, group) for k, v in value.items()}
-    return value
-
-
-def has_marked_inputs(value: Any) -> bool:
+def tagged_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors marked for sharding in ``value`` (tensors, possibly in tuples, lists and dicts)."""
     if autosp_tag(value) is not None:
-        return True
+        return [value]
     if isinstance(value, (tuple, list)):
-        return any(has_marked_inputs(v) for v in value)
+        return [t for v in value for t in tagged_tensors(v)]
     if isinstance(value, dict):
-        return any(has_marked_inputs(v) for v in value.values())
-    return False
+        return [t for v in value.values() for t in tagged_tensors(v)]
+    return []
 
 
-# ---- capture: SDPA -> all-to-all, SDPA, all-to-all ------------------------------------------------------------
-def _attention_problem(q: Any, k: Any, v: Any, mask: Any, world: int) -> str | None:
-    """Why this SDPA call cannot run as Ulysses over ``world`` ranks (None: it can)."""
-    for role, t in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            return f"AutoSP expects 4-D [batch, heads, seq, head_dim] SDPA {role} tensors, got {shape}"
-        if t.shape[1] % world:
-            return (f"AutoSP: the number of {role} heads ({t.shape[1]}) must be divisible by sequence_parallel_size "
-                    f"({world})")
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
-        return None
-    local, keys = q.shape[2], mask.shape[-1]
-    if keys == local and keys != 1:
-        return (f"AutoSP cannot rebuild an attention mask whose key dimension is sharded along the sequence (mask "
-                f"shape {tuple(mask.shape)}, {local} local positions): build it from the whole sequence, e.g. "
-                "from the 2-D attention_mask, which prepare_autosp_inputs keeps whole")
-    if mask.dim() == 4 and mask.shape[1] not in (1, q.shape[1]):
-        return (f"AutoSP: the head dimension of the attention mask {tuple(mask.shape)} must be 1 or the number of "
-                f"query heads ({q.shape[1]})")
-    return None
+def check_inputs(value: Any, world: int) -> None:
+    """Before a compiled AutoSP forward: ``value`` holds marked tensors whose sequence dimension (1, the one the
+    graph pass shards) divides by ``world``; each gets that dimension marked dynamic (tags set by hand too)."""
+    marked = tagged_tensors(value)
+    if not marked:
+        raise ValueError("AutoSP: no input marked for sequence sharding; pass the batch through "
+                         "deepspeed.compile.passes.sp_compile.prepare_autosp_inputs before each forward")
+    for tensor in marked:
+        role, dim = autosp_tag(tensor)
+        if dim != 1 or tensor.dim() < 2:
+            raise ValueError(f"AutoSP shards dimension 1 of its inputs ([batch, seq, ...]); the {role} tensor "
+                             f"(shape {tuple(tensor.shape)}) is marked with seq_dim={dim}")
+        if tensor.shape[1] % world:
+            raise ValueError(f"AutoSP: the {role} sequence length ({tensor.shape[1]}, dim 1) must be divisible by "
+                             f"sequence_parallel_size ({world})")
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
 
 
-def _mask_for_full_queries(mask: torch.Tensor, local: int, heads: int, group: int, world: int,
-                           rank: int) -> torch.Tensor:
-    """The mask for the all-to-all layout: whole query rows, this rank's (``rank`` in the group) heads."""
-    rows_sharded = mask.dim() >= 2 and mask.shape[-2] == local and local != 1
-    if mask.dim() == 4 and mask.shape[1] == heads and heads != 1:
-        if rows_sharded:  # the query's own redistribution
-            return _all_to_all.all_to_all(mask, 1, 2, group)
-        return mask.narrow(1, rank * (heads // world), heads // world)
-    if rows_sharded:
-        return _all_to_all.all_gather(mask, mask.dim() - 2, group)
-    return mask
-
-
-class UlyssesAttentionMode(TorchFunctionMode):
-    """While ``torch.compile`` captures a graph, records every ``scaled_dot_product_attention`` as Ulysses attention
-    over the registered group ``group`` (calls it cannot run that way are left alone; ``autosp_pass`` reports
-    them). Outside graph capture it changes nothing."""
-
-    def __init__(self, group: int) -> None:
-        super().__init__()
-        self.group, self.world = group, _all_to_all.group_size(group)
-        self.rank = dist.get_rank(_all_to_all.group_of(group))
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        # only while Dynamo captures the graph: when a backend runs the captured graph as Python (eager,
-        # aot_eager) its SDPA calls, already between the all-to-alls, come through this mode again
-        if func is not F.scaled_dot_product_attention or not torch.compiler.is_compiling():
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask")
-        given = dict(zip(names, args, strict=False)) | {n: kwargs[n] for n in names if n in kwargs}
-        others = {n: value for n, value in kwargs.items() if n not in names}  # dropout_p, is_causal, scale, ...
-        q, k, v, mask = (given.get(n) for n in names)
-        if _attention_problem(q, k, v, mask, self.world) is not None:
-            return func(*args, **kwargs)
-        if isinstance(mask, torch.Tensor):
-            mask = _mask_for_full_queries(mask, q.shape[2], q.shape[1], self.group, self.world, self.rank)
-        q, k, v = (_all_to_all.all_to_all(t, 1, 2, self.group) for t in (q, k, v))  # heads out, sequence in
-        out = func(q, k, v, mask, *args[len(names):], **others)
-        return _all_to_all.all_to_all(out, 2, 1, self.group)  # sequence out, heads back
-
-
-# ---- the graph pass --------------------------------------------------------------------------------------------
 def _meta(node: Any) -> Any:
     if not isinstance(node, Node):
         return node
-    return node.meta.get("example_value", node.meta.get("val"))
+    value = node.meta.get("val")
+    return value if value is not None else node.meta.get("example_value")
 
 
-def _is_exchange(node: Any) -> bool:
-    return isinstance(node, Node) and node.target is torch.ops.ds_autosp.all_to_all.default
+def _hint(size: Any) -> int:
+    """The example's value of a (symbolic) size."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
-def autosp_pass(gm: GraphModule, group: int) -> GraphModule:
-    """Check the captured graph: it has SDPA, and every SDPA runs between the Ulysses all-to-alls over ``group``;
-    an SDPA that could not be wrapped raises the reason."""
-    nodes = get_sdpa_nodes(gm)
-    if not nodes:
-        raise RuntimeError("AutoSP found no torch.nn.functional.scaled_dot_product_attention in the compiled graph; "
-                           "AutoSP supports SDPA attention only")
-    world = _all_to_all.group_size(group)
-    for node in nodes:
-        names = ("query", "key", "value", "attn_mask")
-        given = dict(zip(names, node.args, strict=False)) | {n: node.kwargs[n] for n in names if n in node.kwargs}
-        inputs = [given.get(n) for n in names[:3]]
-        wrapped = all(_is_exchange(t) for t in inputs) and len(node.users) > 0 and all(
-            _is_exchange(u) for u in node.users)
-        if not wrapped:
-            problem = _attention_problem(*(_meta(given.get(n)) for n in names), world)
-            raise RuntimeError(problem or f"AutoSP could not wrap the attention {node.format_node()} in all-to-alls")
-    return gm
-
-
-# ---- DeepSpeed's graph-level form: the whole sequence enters the graph and the graph shards it ----------------
-# ``apply_autosp`` (what ``init_sp.init_autosp``'s backend runs) takes a graph Dynamo captured with a symbolic
-# sequence length ``s`` from the whole, tagged inputs: it slices the tagged inputs to this rank's ``s // P`` rows
-# inside the graph, makes the shape arithmetic downstream of them use ``s // P``, and puts the Ulysses all-to-alls
-# around every SDPA. Nodes not computed from the tagged inputs keep the whole length: an attention mask built from
-# the whole attention_mask or from cache positions matches the all-to-all layout (every rank attends over the
-# whole sequence for its heads). A mask computed from the sharded inputs is not rebuilt: use the engine's AutoSP
-# (``engine.compile`` with the ``autosp`` pass), which does, for such models.
+# ---- the graph passes (steps 1-4 of the module docstring), run by apply_autosp ---------------------------------
 def pass_shard_seq_dim(gm: GraphModule, example_inputs: Any) -> None:
     """Make every use of the sequence-length symbol downstream of the tagged inputs read ``s // P`` instead."""
     ids = get_input_id_node(gm)
@@ -235,7 +149,8 @@ def pass_shard_seq_dim(gm: GraphModule, example_inputs: Any) -> None:
     for node in same:
         with gm.graph.inserting_after(after_placeholders(gm, node)):
             locals_[node] = gm.graph.call_function(operator.floordiv, (node, sp_dp_registry.sp_size()))
-    tagged = [n for n in (ids, get_label_id_node(gm), get_position_id_node(gm)) if n is not None]
+    labels = get_label_id_node(gm) if _tagged_placeholder(gm, LABEL_ID) else None
+    tagged = [n for n in (ids, labels, get_position_id_node(gm)) if n is not None]
     seen, todo = set(), list(tagged)
     while todo:  # everything computed from the tagged inputs
         node = todo.pop()
@@ -253,7 +168,14 @@ def pass_shard_input_ids(gm: GraphModule, example_inputs: Any) -> None:
 
 
 def pass_shard_label_ids(gm: GraphModule, example_inputs: Any) -> None:
+    if not _tagged_placeholder(gm, LABEL_ID):  # a model may take no labels (its loss computed outside)
+        logger.warning("AutoSP: no graph input is tagged %r; labels are not sharded", LABEL_ID)
+        return
     shard_tensor_node(gm, get_label_id_node(gm))
+
+
+def _tagged_placeholder(gm: GraphModule, tag: str) -> bool:
+    return any((n.meta.get("tensor_dict") or {}).get("tag") == tag for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def pass_shard_position_ids(gm: GraphModule, example_inputs: Any) -> None:
@@ -269,24 +191,70 @@ def _exchange_after(gm: GraphModule, node: Node, scatter: int, gather: int, grou
         return gm.graph.call_function(torch.ops.ds_autosp.all_to_all.default, (node, scatter, gather, group))
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask")
+
+
+def _sdpa_args(node: Node) -> dict[str, Any]:
+    given = dict(zip(_SDPA_ARGS, node.args, strict=False))
+    return given | {n: node.kwargs[n] for n in _SDPA_ARGS if n in node.kwargs}
+
+
+def _set_mask(node: Node, mask: Node) -> None:
+    if len(node.args) > 3:
+        node.update_arg(3, mask)
+    else:
+        node.update_kwarg("attn_mask", mask)
+
+
+def _mask_for_whole_queries(gm: GraphModule, sdpa: Node, mask: Node, key: int) -> None:
+    """Rebuild ``mask`` of ``sdpa`` for the all-to-all layout: whole query rows, this rank's heads."""
+    q, m = _meta(_sdpa_args(sdpa)["query"]), _meta(mask)
+    if not isinstance(m, torch.Tensor) or m.dim() < 2:
+        return
+    sp, heads, local = sp_dp_registry.sp_size(), q.shape[1], _hint(q.shape[2])
+    if _hint(m.shape[-1]) == local and local != 1:
+        raise RuntimeError(f"AutoSP cannot rebuild the attention mask of {sdpa.name}: its key dimension is sharded "
+                           f"along the sequence (mask shape {tuple(m.shape)}, {local} local positions); build it from "
+                           "the whole sequence, e.g. from the 2-D attention_mask, which AutoSP does not shard")
+    if m.dim() == 4 and m.shape[1] not in (1, heads):
+        raise RuntimeError(f"AutoSP: the head dimension of the attention mask {tuple(m.shape)} of {sdpa.name} must be "
+                           f"1 or the number of query heads ({heads})")
+    rows_sharded = _hint(m.shape[-2]) == local and local != 1
+    with gm.graph.inserting_after(mask):
+        if m.dim() == 4 and m.shape[1] == heads and heads != 1:
+            if rows_sharded:  # the query's own redistribution
+                new = gm.graph.call_function(torch.ops.ds_autosp.all_to_all.default, (mask, 1, 2, key))
+            else:
+                mine = heads // sp * (dist.get_rank() % sp)
+                new = gm.graph.call_function(operator.getitem, (mask, (slice(None), slice(mine, mine + heads // sp))))
+        elif rows_sharded:
+            new = gm.graph.call_function(torch.ops.ds_autosp.all_gather.default, (mask, m.dim() - 2, key))
+        else:
+            return
+    _set_mask(sdpa, new)
+
+
 def pass_insert_attention_all_to_all(gm: GraphModule, example_inputs: Any) -> None:
-    """Query, key and value of every SDPA go from ``[b, heads, s/P, d]`` to ``[b, heads/P, s, d]``, its output back."""
+    """Query, key and value of every SDPA go from ``[b, heads, s/P, d]`` to ``[b, heads/P, s, d]``, its output back;
+    masks are rebuilt for that layout."""
     nodes = get_sdpa_nodes(gm)
     if not nodes:
         raise RuntimeError("AutoSP found no torch.nn.functional.scaled_dot_product_attention in the compiled graph; "
                            "AutoSP supports SDPA attention only")
+    _propagate(gm, drop_masks=True)  # the sharded shapes, before any attention sees a whole-length mask
     sp = sp_dp_registry.sp_size()
     key = _all_to_all.register_group(sp_dp_registry.get_group(dist.get_rank() // sp))
     for node in nodes:
-        names = ("query", "key", "value")
-        given = dict(zip(names, node.args, strict=False)) | {n: node.kwargs[n] for n in names if n in node.kwargs}
-        for name in names:
+        given = _sdpa_args(node)
+        for name in _SDPA_ARGS[:3]:
             value = _meta(given.get(name))
             if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.shape[1] % sp:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                raise RuntimeError(f"AutoSP: SDPA {name} {node.name} must be [batch, heads, seq, head_dim] with heads "
-                                   f"divisible by the sequence parallel size ({sp}), got {shape}")
-        for source in dict.fromkeys(given[n] for n in names):  # a tensor used twice is exchanged once
+                raise RuntimeError(f"AutoSP: SDPA {name} of {node.name} must be [batch, heads, seq, head_dim] with "
+                                   f"heads divisible by the sequence parallel size ({sp}), got {shape}")
+        if isinstance(given.get("attn_mask"), Node):
+            _mask_for_whole_queries(gm, node, given["attn_mask"], key)
+        for source in dict.fromkeys(given[n] for n in _SDPA_ARGS[:3]):  # a tensor used twice is exchanged once
             node.replace_input_with(source, _exchange_after(gm, source, 1, 2, key))
         users = list(node.users)
         out = _exchange_after(gm, node, 2, 1, key)
@@ -294,18 +262,41 @@ def pass_insert_attention_all_to_all(gm: GraphModule, example_inputs: Any) -> No
             user.replace_input_with(node, out)
 
 
-def pass_propagate_shapes(gm: GraphModule, example_inputs: Any) -> None:
-    """Recompute every node's fake value from the graph's own fake inputs (same shape environment)."""
+def _propagate(gm: GraphModule, drop_masks: bool = False) -> None:
+    """Recompute every node's fake value from the graph's own fake inputs (same shape environment); with
+    ``drop_masks`` attention runs without its mask meanwhile (masks and queries may not agree yet)."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     inputs = [_meta(n) for n in gm.graph.find_nodes(op="placeholder")]
     fake_mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
     if fake_mode is None:
         raise RuntimeError("AutoSP: the captured graph carries no fake input values to propagate shapes from")
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+    masks = {n: _sdpa_args(n).get("attn_mask") for n in get_sdpa_nodes(gm)} if drop_masks else {}
+    masks = {n: m for n, m in masks.items() if m is not None}
+    for node in masks:
+        _set_mask(node, None)
+    try:  # a caller's saved-tensor hooks must not see fake tensors: identity hooks shadow them meanwhile
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+    finally:
+        for node, mask in masks.items():
+            _set_mask(node, mask)
     for node in gm.graph.nodes:
         if "val" in node.meta and "example_value" in node.meta:
             node.meta["example_value"] = node.meta["val"]
+
+
+def pass_propagate_shapes(gm: GraphModule, example_inputs: Any) -> None:
+    # attention's output shape does not depend on its mask, while SDPA's fake kernel may guard on the mask: masks
+    # sit out the propagation, as in DeepSpeed. A value read with .item() (a module's float attribute Dynamo did not
+    # specialize) cannot be guarded on outside Dynamo's trace: then the metadata stays as captured, which is all the
+    # compilers after this pass need (AOT autograd traces the graph again from the real inputs)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        _propagate(gm, drop_masks=True)
+    except GuardOnDataDependentSymNode as exc:
+        logger.debug("AutoSP: shape propagation skipped (%s)", str(exc).splitlines()[0])
 
 
 def pass_canonicalize(gm: GraphModule, example_inputs: Any) -> None:
