@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch.fx import GraphModule
+from torch.torch_version import TorchVersion
 
 from deepspeed.utils.torch import required_torch_version
 
@@ -52,7 +52,8 @@ def _check_broken_transformers_moe(model: torch.nn.Module) -> None:
     except ImportError:
         return
     first_broken, first_fixed = BROKEN_TRANSFORMERS_MOE_VERSIONS
-    if not Version(first_broken) <= Version(transformers.__version__) < Version(first_fixed):
+    installed = TorchVersion(transformers.__version__)  # PEP 440 ordering (the project's version comparator)
+    if not first_broken <= installed < first_fixed:
         return
     found = _experts_modules_on_batched_mm(model)
     if found:
