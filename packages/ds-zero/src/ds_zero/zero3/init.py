@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as torch_module
 
-from ds_zero.zero3._collectives import broadcast_into_partitions, gather_now
+from ds_zero.zero3._collectives import broadcast_into_partitions
 from ds_zero.zero3.convert import convert_param
-from ds_zero.zero3.param import PartitionSpace, ZeroParamStatus, is_partitioned, release_one
+from ds_zero.zero3.param import PartitionSpace, ZeroParamStatus, is_partitioned
 
 _LOCAL = threading.local()
 
@@ -326,6 +326,10 @@ def _as_params(params: Any) -> list[torch.nn.Parameter]:
     return [p for p in params if isinstance(p, torch.Tensor)]
 
 
+CONTEXT_DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # GatheredParameters blocks holding the parameter
+FALLBACK_OWNER_ATTR = "_ds_z3_eager_fallback_owner"  # DeepCompile's tracker of a parameter it gathered eagerly
+
+
 class GatheredParameters:
     """Gather partitioned parameters for the block; with ``modifier_rank``, that rank's values become every
     rank's on exit (written into the partitions and, after ``deepspeed.initialize``, the fp32 masters).
@@ -341,8 +345,19 @@ class GatheredParameters:
     def __enter__(self) -> None:
         if not self.params:
             return
+        overlapping = [p.ds_id for p in self.params if getattr(p, CONTEXT_DEPTH_ATTR, 0) > 0]
+        if overlapping:  # DeepSpeed's rule: the outer block would see the inner one release its parameters
+            raise RuntimeError("Nested GatheredParameters contexts cannot overlap parameters; parameter ds_ids "
+                               f"already gathered by an outer context: {overlapping}")
         self.gathered = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
-        gather_now(self.params)
+        self.params[0].all_gather(param_list=self.params)
+        self.fallback_owners = {}
+        for p in self.params:
+            setattr(p, CONTEXT_DEPTH_ATTR, getattr(p, CONTEXT_DEPTH_ATTR, 0) + 1)
+            owner = getattr(p, FALLBACK_OWNER_ATTR, None)
+            if owner is not None:  # gathered eagerly by a DeepCompile forward: the block adopts it
+                self.fallback_owners[p.ds_id] = owner
+                owner.record_user_context_claim(p)
         if self.fwd_module is not None:
             for p in self.params:
                 register_external_parameter(self.fwd_module, p)
@@ -355,9 +370,29 @@ class GatheredParameters:
                 broadcast_into_partitions(self.params, self.modifier_rank)
                 _refresh_masters(self.params)
         finally:
-            for p in self.gathered:
-                if not p.ds_active_sub_modules:
-                    release_one(p)
+            self._release(updated=self.modifier_rank is not None and exc[0] is None)
+
+    def _release(self, updated: bool) -> None:
+        """What this block gathered goes back to the partitions (and what it adopted from a DeepCompile forward,
+        unless that forward's backward still needs it: then it goes after that backward)."""
+        owners = getattr(self, "fallback_owners", {})
+        held = {p.ds_id for p in self.params if p.ds_id in owners and owners[p.ds_id].has_outstanding_graph_claim(p)}
+        chosen = {id(p) for p in self.gathered} | {id(p) for p in self.params if p.ds_id in owners}
+        to_release = [p for p in self.params if id(p) in chosen and p.ds_id not in held
+                      and not getattr(p, "ds_active_sub_modules", None)]
+        for p in self.params:
+            if p.ds_id in held and updated:
+                owners[p.ds_id].record_deferred_user_update(p)
+            depth = getattr(p, CONTEXT_DEPTH_ATTR, 0)
+            if depth <= 1:
+                p.__dict__.pop(CONTEXT_DEPTH_ATTR, None)
+            else:
+                setattr(p, CONTEXT_DEPTH_ATTR, depth - 1)
+        if to_release:
+            to_release[0].partition(param_list=to_release, has_been_updated=False)
+        for p in self.params:
+            if p.ds_id in owners:
+                owners[p.ds_id].release_user_context_claim(p)
 
 
 def _refresh_masters(params: list[torch.nn.Parameter]) -> None:
