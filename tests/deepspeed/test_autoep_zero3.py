@@ -64,11 +64,16 @@ def _full_expert_grads(engine: object) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(stage: int, save_dir: str | None = None) -> dict:
+def _train(stage: int, save_dir: str | None = None, zero_init: bool = False) -> dict:
     import deepspeed
 
     torch.manual_seed(0)
-    engine, *_ = deepspeed.initialize(model=_Model(), config=_config(stage))
+    if zero_init:  # the MoE block's weights arrive partitioned over every rank; AutoEP gathers them
+        with deepspeed.zero.Init(config_dict_or_path=_config(stage)):
+            model = _Model()
+    else:
+        model = _Model()
+    engine, *_ = deepspeed.initialize(model=model, config=_config(stage))
     # the two expert-parallel ranks of one data-parallel replica see the same tokens: batch by data-parallel rank
     replica = dist.get_rank() // 2
     losses, grads, norms = [], [], []
@@ -116,6 +121,14 @@ def _universal_resume(save_dir: str, x: torch.Tensor) -> dict[int, float]:
         engine.load_checkpoint(save_dir, tag="z3_universal")
         out[ep] = float(engine(x).pow(2).mean())
     return out
+
+
+def test_zero3_autoep_from_a_zero_init_model_trains_the_same():
+    whole = run_distributed(_train, world_size=4, args=(3,), timeout=240)
+    built = run_distributed(_train, world_size=4, args=(3, None, True), timeout=240)
+    for want, got in zip(whole, built, strict=True):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-7)
+        assert got["placement"] == want["placement"]
 
 
 def test_zero3_autoep_checkpoint_refuses_consolidation(tmp_path):

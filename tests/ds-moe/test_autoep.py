@@ -315,14 +315,6 @@ def test_load_balance_coeff_rejected_even_past_validation(value):
         assert words in str(err.value)
 
 
-def test_zero3_partitioned_parameters_are_rejected():
-    model = _model("mixtral")
-    model.model.layers[0].mlp.experts.gate_up_proj.ds_id = 0  # what ZeRO-3's partitioning leaves on a parameter
-    model.model.layers[0].mlp.experts.gate_up_proj.ds_shape = model.model.layers[0].mlp.experts.gate_up_proj.shape
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3: .*ZeRO-3 partitioned.*outside zero.Init"):
-        apply_autoep(model, _ep(1))
-
-
 def test_tensor_parallel_mpu_is_rejected(monkeypatch):
     monkeypatch.setattr(groups, "mpu", types.SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 2))
     with pytest.raises(ValueError, match=r"expert_parallel.enabled: .*bwc_tensor_model_parallel_world_size=2"):

@@ -17,6 +17,7 @@ from ds_moe import groups
 from ds_moe.autoep.config import parse_autoep_config, validate_autoep_config, validate_autoep_post_detection
 from ds_moe.autoep.detect import AutoEP
 from ds_moe.autoep.spec import AutoEPConfig
+from ds_moe.ep_repack import gather_source_zero_params
 
 
 def _distributed() -> bool:
@@ -74,14 +75,12 @@ def apply_autoep(model: nn.Module, config: Any, world_size: int | None = None,
     auto_ep = AutoEP(model, config)
     specs = auto_ep.ep_parser()
     validate_autoep_post_detection(config, specs)
-    for spec in specs:
-        if any(hasattr(p, "ds_id") for p in model.get_submodule(spec.moe_module_name).parameters()):
-            raise ValueError(f"zero_optimization.stage=3: the parameters of '{spec.moe_module_name}' are ZeRO-3 "
-                             "partitioned (built under zero.Init); AutoEP builds its experts from whole source "
-                             "weights: build the model outside zero.Init (the engine partitions it, experts over "
-                             "their expert-data-parallel group)")
     group, rank = _expert_parallel_rank(config.autoep_size, use_data_before_expert_parallel)
-    auto_ep.replace_moe_layers(specs, config.autoep_size, rank)
+    # a model built under zero.Init: each MoE block's partitioned weights are gathered (read only) while its
+    # AutoEP layer copies them; the new layer's parameters are whole (the engine partitions them)
+    sources = [p for spec in specs for p in model.get_submodule(spec.moe_module_name).parameters()]
+    with gather_source_zero_params(sources):
+        auto_ep.replace_moe_layers(specs, config.autoep_size, rank)
     for spec in specs:
         model.get_submodule(spec.moe_module_name).ep_group = group
     return [spec.moe_module_name for spec in specs]

@@ -39,6 +39,12 @@ def _released(value: Any) -> torch.nn.Parameter | None:
     return None
 
 
+# Set by ``zero.Init`` while it builds modules: an in-place write into a released parameter there (a constructor
+# initialising a child module's weight after registering it, as ``nn.MultiheadAttention`` does for ``out_proj``)
+# runs on the gathered value (``writer(param, op)``), which is cut into partitions again, instead of failing.
+construction_writer: Any = None
+
+
 class PartitionedParameter(torch.nn.Parameter):
     """The class of a ZeRO-3 partitioned ``torch.nn.Parameter`` (``isinstance(p, nn.Parameter)`` holds)."""
 
@@ -56,6 +62,9 @@ class PartitionedParameter(torch.nn.Parameter):
             param = _released(args)  # never `a or b`: a tensor's truth value is itself a torch function
             if param is None:
                 param = _released(list(kwargs.values()))
+            if param is not None and construction_writer is not None and name.endswith("_") \
+                    and not name.startswith("_"):
+                return construction_writer(param, lambda: _plain(func, args, kwargs))
             if param is not None:
                 raise RuntimeError(
                     f"ZeRO-3: parameter {getattr(param, 'ds_name', None) or '<unnamed>'} (ds_id {param.ds_id}, "

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as torch_module
 
+import ds_zero.zero3._guard as _guard
 from ds_zero.zero3._collectives import broadcast_into_partitions
 from ds_zero.zero3.convert import convert_param
 from ds_zero.zero3.param import PartitionSpace, ZeroParamStatus, is_partitioned
@@ -286,8 +287,10 @@ class Init:
             init._current()._partition_module(out)  # skip_init's module: real storage now, uninitialized as asked
             return out
         torch.nn.Module.to_empty = to_empty
+        _guard.construction_writer = _write_gathered
 
     def _uninstall(self) -> None:
+        _guard.construction_writer = None
         for handle in self._handles:
             handle.remove()
         if self._previous_device is not None:
@@ -305,6 +308,13 @@ class Init:
     def _on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> None:
         if param is not None:
             self._current()._created.append(param)
+
+
+def _write_gathered(param: torch.nn.Parameter, op: Any) -> Any:
+    """An in-place initialisation of a released parameter during construction: on the whole value (rank 0's is
+    kept; every rank builds the same modules in the same order, so every rank gathers here), then partitioned."""
+    with GatheredParameters([param], modifier_rank=0):
+        return op()
 
 
 def _gathered_apply(self: torch.nn.Module, fn: Any) -> torch.nn.Module:
