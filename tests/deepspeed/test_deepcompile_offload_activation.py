@@ -132,3 +132,33 @@ def test_margin_and_budget_inputs_are_checked(monkeypatch):
                           memory_allocated=lambda: 40 * gib)
     assert act._measured_margin(idle) == act.MIN_MEASURED_MARGIN
     assert act._measured_margin(fat) == pytest.approx(0.2)
+
+
+def _reload_distance(monkeypatch, budget_gb: str, peak: int, node_ms: float) -> int:
+    """How many compute nodes run between ``reload_act_a`` and its wait (right before the reader) in a backward
+    graph of six small ops followed by the reader, each profiled at ``node_ms`` and ``peak`` bytes."""
+    monkeypatch.setenv(act.BUDGET_ENV, budget_gb)
+    bwd = torch.fx.Graph()
+    grad = _on_device(bwd.placeholder("grad"), 1)
+    pa = _on_device(bwd.placeholder("act_a"))
+    t = grad
+    for i in range(6):
+        t = bwd.call_function(torch.relu, (t, ), name=f"work_{i}")
+    bwd.output((bwd.call_function(torch.mul, (t, pa), name="use_a"), ))
+    gm = torch.fx.GraphModule(torch.nn.Module(), bwd)
+    act._offload_plans[0] = {"act_a": (1, N * 4)}
+    profile = {0: SimpleNamespace(num_fwd_outputs=1, fwd_mem=[], bwd_mem=[(n.name, peak, 0, peak) for n in bwd.nodes],
+                                  bwd_time=[(n.name, node_ms, node_ms) for n in bwd.nodes])}
+    act.offload_activation_floor(gm, 0, [(0, True)], profile, lambda: (), 0.0, {}, bwd=True)
+    names = [n.name for n in gm.graph.nodes]
+    assert names.index("wait_reload_act_a") == names.index("use_a") - 1
+    return names.index("use_a") - names.index("reload_act_a") - 2
+
+
+def test_copy_back_starts_early_enough_to_hide_it(monkeypatch):
+    # 16 KiB at 10 GB/s is 1.6 us: one node of 1 us does not cover it, two do
+    assert _reload_distance(monkeypatch, "100", peak=0, node_ms=0.001) == 2
+    # slower nodes: one is enough
+    assert _reload_distance(monkeypatch, "100", peak=0, node_ms=1.0) == 1
+    # no room next to the profiled peak: just in time
+    assert _reload_distance(monkeypatch, str((1000 + N * 4 - 1) / 1e9), peak=1000, node_ms=0.001) == 0
