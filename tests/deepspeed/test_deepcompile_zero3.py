@@ -1,6 +1,6 @@
 """DeepCompile over ZeRO-3 (``compile: {deepcompile: true}``, ``engine.compile()``) trains exactly like the eager
-ZeRO-3 engine: 2 real gloo ranks, gradient accumulation, same losses and weights bitwise, the parameters gathered
-by the graphs' own ``dc`` operators and released between steps."""
+ZeRO-3 engine: 2 real gloo ranks, gradient accumulation, a graph break, same losses and weights bitwise, the
+parameters gathered by the graphs' own ``dc`` operators and released between steps."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ class _Net(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.inp(x))
+        torch._dynamo.graph_break()  # two compiled graphs, each gathering its own parameters
         h = torch.tanh(self.hidden(h)) + h
-        return self.out(h)
+        return self.out(h) + self.inp.bias.sum()  # a parameter of the first graph read again in the second
 
 
 def _train(deepcompile: bool, steps: int) -> dict:
