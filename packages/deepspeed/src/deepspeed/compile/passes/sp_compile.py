@@ -58,7 +58,8 @@ def prepare_autosp_inputs(input_id: torch.Tensor, label_id: torch.Tensor, positi
                           attention_mask: torch.Tensor | None = None, seq_dim: int = 1) -> tuple:
     """Mark the tensors AutoSP splits along the sequence (``seq_dim``): ``input_id``, ``label_id`` and, if given,
     ``position_id`` get DeepSpeed's ``tag`` (``constants.AUTOSP_*_KEY``), and every given tensor's ``seq_dim`` is
-    marked dynamic for Dynamo (``maybe_mark_dynamic``: a model that needs the length constant still compiles).
+    marked dynamic for Dynamo (``maybe_mark_dynamic``: a hint, so a model that makes the length constant gets
+    AutoSP's error naming it, not a constraint violation). AutoSP's pass shards dim 1, as DeepSpeed's.
     Returns ``(input_id, label_id, position_id, attention_mask)``; the attention mask is not sharded (its key
     dimension must cover the full sequence)."""
     if input_id is None:
@@ -78,7 +79,7 @@ def prepare_autosp_inputs(input_id: torch.Tensor, label_id: torch.Tensor, positi
         if tensor.shape[seq_dim] != input_id.shape[seq_dim]:
             raise ValueError(f"prepare_autosp_inputs: {name} has {tensor.shape[seq_dim]} positions along seq_dim="
                              f"{seq_dim}, input_id has {input_id.shape[seq_dim]}")
-        torch._dynamo.maybe_mark_dynamic(tensor, seq_dim)  # a hint: code that specializes it is no error
+        torch._dynamo.maybe_mark_dynamic(tensor, seq_dim)
     for tag, tensor in ((INPUT_ID, input_id), (LABEL_ID, label_id), (POSITION_ID, position_id)):
         if tensor is not None:
             tensor.tag = tag
