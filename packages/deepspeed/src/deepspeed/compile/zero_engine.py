@@ -37,9 +37,10 @@ class DeepCompileCall:
 
 
 def compile_zero(engine: Any, backend: Any, kwargs: dict[str, Any], schedule: Any) -> None:
-    """Compile ``engine.module`` with DeepCompile's ZeRO passes (ZeRO-3 only in this version)."""
+    """Compile ``engine.module`` with DeepCompile's ZeRO passes (stage 0: plain ``torch.compile``)."""
     import weakref
 
+    from deepspeed.compile.init_z1_and_2 import init_z1_and_2
     from deepspeed.compile.init_z3 import init_z3
 
     stage = engine.zero_optimization_stage()
@@ -48,12 +49,15 @@ def compile_zero(engine: Any, backend: Any, kwargs: dict[str, Any], schedule: An
                  ranks=[0])
         engine.module.compile(backend=backend, **kwargs)
         return
-    if stage != 3:
-        raise ConfigError(ConfigProblem("zero_optimization.stage", "DeepCompile's ZeRO passes are built for ZeRO "
-                                        "stage 3 in this version; accepted: 3", stage))
+    if stage not in (1, 2, 3):
+        raise ConfigError(ConfigProblem("zero_optimization.stage", "DeepCompile's ZeRO passes need ZeRO stage 1, 2 "
+                                        "or 3", stage))
     if backend not in ("eager", "inductor"):
         raise ValueError(f"engine.compile: DeepCompile supports the backends 'eager' and 'inductor', got {backend!r}")
-    dc_backend = init_z3(engine, backend, engine._config.compile, kwargs, schedule)
+    if stage == 3:
+        dc_backend = init_z3(engine, backend, engine._config.compile, kwargs, schedule)
+    else:
+        dc_backend = init_z1_and_2(engine, backend, engine._config.compile, kwargs, schedule, use_z2=stage == 2)
     module = engine.module
     try:
         # a frame of this file (Dynamo skips torch.nn's own frames, so a model made only of torch.nn modules
