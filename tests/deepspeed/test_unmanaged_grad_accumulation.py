@@ -75,8 +75,8 @@ def _reference() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_step_updates_as_the_caller_counted(stage):
-    unmanaged = run_distributed(_train, world_size=2, args=(stage, False), timeout=120)
-    managed = run_distributed(_train, world_size=2, args=(stage, True), timeout=120)
+    unmanaged = run_distributed(_train, world_size=2, args=(stage, False), timeout=240)
+    managed = run_distributed(_train, world_size=2, args=(stage, True), timeout=240)
     want = _reference()
     for rank in range(2):
         params, applied, samples = unmanaged[rank]
@@ -115,5 +115,5 @@ def _misuse(stage: int) -> list[str]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_calls_that_move_the_boundary_are_refused(stage):
-    ((message,),) = run_distributed(_misuse, world_size=1, args=(stage,), timeout=60)
+    ((message,),) = run_distributed(_misuse, world_size=1, args=(stage,), timeout=180)
     assert "managed_gradient_accumulation=False" in message

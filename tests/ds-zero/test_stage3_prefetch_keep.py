@@ -73,7 +73,7 @@ def _train(extra: dict, jitter_seed: int | None) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict]:
-    return run_distributed(_train, world_size=2, args=(NO_PREFETCH, None), timeout=120)
+    return run_distributed(_train, world_size=2, args=(NO_PREFETCH, None), timeout=240)
 
 
 def _assert_bitwise(got: list[dict], want: list[dict]) -> None:
@@ -90,7 +90,7 @@ def test_without_prefetch_each_layer_is_released_after_its_forward(reference):
 
 def test_prefetched_weights_stay_gathered_until_backward_and_train_bitwise_the_same(reference):
     for seed in range(3):
-        got = run_distributed(_train, world_size=2, args=(PREFETCH_ALL, seed), timeout=120)
+        got = run_distributed(_train, world_size=2, args=(PREFETCH_ALL, seed), timeout=240)
         _assert_bitwise(got, reference)
         for rank in range(2):
             # the first pass records the trace; from the second on every layer is kept for its backward
@@ -99,5 +99,5 @@ def test_prefetched_weights_stay_gathered_until_backward_and_train_bitwise_the_s
 
 def test_a_walk_blocked_by_max_live_parameters_trains_bitwise_the_same(reference):
     for seed in range(2):
-        got = run_distributed(_train, world_size=2, args=(LIVE_CAPPED, seed), timeout=120)
+        got = run_distributed(_train, world_size=2, args=(LIVE_CAPPED, seed), timeout=240)
         _assert_bitwise(got, reference)

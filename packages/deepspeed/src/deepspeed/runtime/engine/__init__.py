@@ -16,7 +16,6 @@ its engine methods, ``offload_states``), ``_precision``, ``_optimizer`` (optimiz
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
 from deepspeed.runtime.engine._deepcompile import DeepCompileMethods
+from deepspeed.runtime.engine._grad_sync import GradSyncContextError, GradSyncMethods
 from deepspeed.runtime.engine._precision import MixedPrecisionMethods, is_zero_init_model
 from deepspeed.runtime.engine._timers import (
     BACKWARD,
@@ -59,17 +59,13 @@ from deepspeed.utils.torch import is_functorch_transforming
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class GradSyncContextError(RuntimeError, AssertionError):
-    """Misuse of ``no_sync`` / ``coalesce_grad_reduction`` (a step inside, one opened inside the other): DeepSpeed
-    asserts there, so code catching its ``AssertionError`` still catches this."""
-
-
 class LossArgumentError(TypeError, AssertionError):
     """``engine.scale(loss)`` given something other than a scalar loss with a graph: DeepSpeed asserts there."""
 
 
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
-                      CheckpointNameMethods, DeepCompileMethods, AutoEPFoldingMethods, torch.nn.Module):
+                      CheckpointNameMethods, DeepCompileMethods, AutoEPFoldingMethods, GradSyncMethods,
+                      torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -318,53 +314,6 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         if self.reducer.every_micro_step:
             return True
         return self.seq_dp_world_size > 1 and self.is_gradient_accumulation_boundary()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip the gradient all-reduce inside the block (gradients accumulate locally)."""
-        if self.zero_optimization_partition_gradients():  # DeepSpeed's documented error type and wording
-            raise AssertionError("no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
-                                 f"stage {self.zero_optimization_stage()}; use coalesce_grad_reduction()")
-        if not self._sync_enabled:
-            raise AssertionError("no_sync context manager reentry is unsupported")
-        if getattr(self.reducer, "coalescing", False):
-            raise GradSyncContextError("no_sync context manager cannot open inside coalesce_grad_reduction()")
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = True
-
-    @contextlib.contextmanager
-    def coalesce_grad_reduction(self) -> Iterator[None]:
-        """One gradient reduction for several backward calls (ZeRO stages 1-3; the reducer provides it)."""
-        if self.zero_optimization_stage() == 0:
-            raise NotImplementedError("coalesce_grad_reduction is not supported with ZeRO stage 0 (as documented); "
-                                      "use no_sync() to skip reductions")
-        _unmanaged.refuse(self, "coalesce_grad_reduction")
-        if self.pipeline_parallelism:
-            raise NotImplementedError("coalesce_grad_reduction is not supported with pipeline parallelism: the "
-                                      "pipeline schedule runs the backward passes and their reductions itself")
-        if not self._sync_enabled:
-            raise GradSyncContextError("coalesce_grad_reduction cannot be nested inside no_sync()")
-        hold = getattr(self.reducer, "hold", None)
-        if self.zero_optimization_stage() == 3 and hold is not None:
-            with hold():  # the backward calls inside only fill the reduce-scatter buckets
-                yield
-            self._flush_coalesced_reduction_zero3(self.optimizer)
-            return
-        coalesce = getattr(self.reducer, "coalesce", None)
-        if coalesce is None:
-            raise TypeError(f"the ZeRO stage {self.zero_optimization_stage()} reducer "
-                            f"({type(self.reducer).__name__}) has no coalesce()")
-        with coalesce():
-            yield
-
-    def _flush_coalesced_reduction_zero3(self, optimizer: Any) -> None:
-        """The one reduce-scatter pass of a ``coalesce_grad_reduction()`` block under ZeRO-3: every bucket the
-        block's backward calls filled goes out and its average lands in the gradient partitions. It runs before
-        any other reduction of the window (``optimizer.micro_step_id`` is 0), so the partitions hold exactly it."""
-        optimizer.reducer.finish()
 
     # ---- gradient accumulation and the step -------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
