@@ -53,6 +53,7 @@ def convert_param(param: torch.nn.Parameter, space: PartitionSpace, dtype: torch
     param.all_gather_coalesced = _bound(CoalescedGather, param)
     param.partition = _bound(release_params, param)
     param.ds_summary = _bound(_summary, param)
+    param.partition_numel = _bound(_partition_numel, param)  # DeepSpeed's: elements of this rank's partition
     guard(param)
 
 
@@ -62,6 +63,10 @@ def _bound(fn: Any, param: torch.nn.Parameter) -> Any:
     def call(param_list: Any = None, **kwargs: Any) -> Any:
         return fn(list(param_list) if param_list is not None else [param], **kwargs)
     return call
+
+
+def _partition_numel(params: list[torch.nn.Parameter]) -> int:
+    return params[0].ds_tensor.numel()
 
 
 def _summary(params: list[torch.nn.Parameter]) -> dict[str, Any]:

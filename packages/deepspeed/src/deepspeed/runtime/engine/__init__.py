@@ -468,7 +468,8 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
             self, load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        if path is not None and self.optimizer is not None and (load_module_only or not load_optimizer_states):
+        if path is not None and self.optimizer is not None and (load_module_only or not load_optimizer_states) \
+                and self.zero3_scheduler is None:  # ZeRO-3 restored its fp32 masters from its files, not 16-bit
             self.optimizer.sync_master_from_model()  # the loaded weights, not the stale masters, go on training
         return path, client_state
 
