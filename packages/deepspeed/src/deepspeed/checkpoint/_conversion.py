@@ -146,8 +146,13 @@ def _optimizer_common(section: Mapping[str, Any], stage: int) -> dict[str, Any]:
     """DeepSpeed's ``zero/optimizer_state.pt``: the state without its partitioned tensors, plus ``param_groups``."""
     out = {k: v for k, v in section.items() if k not in (_SHARDED_3 if stage == 3 else _SHARDED_12)}
     base = section.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") or {}
-    if stage == 3:  # DeepSpeed keeps the whole state here; the per-parameter files already hold it
-        out["optimizer_state_dict"] = {PARAM_GROUPS: base.get(PARAM_GROUPS, [])}
+    if stage == 3:  # DeepSpeed keeps the whole state here; the per-parameter files already hold the per-element
+        # tensors, so only the per-group scalars (Adam's step) stay
+        state = base.get("state") or {}
+        items = state.items() if isinstance(state, Mapping) else enumerate(state)
+        scalars = {g: {k: v for k, v in group.items() if not (isinstance(v, torch.Tensor) and v.numel() > 1)}
+                   for g, group in items if isinstance(group, Mapping)}
+        out["optimizer_state_dict"] = {"state": scalars, PARAM_GROUPS: base.get(PARAM_GROUPS, [])}
     out[PARAM_GROUPS] = base.get(PARAM_GROUPS, [])
     return out
 

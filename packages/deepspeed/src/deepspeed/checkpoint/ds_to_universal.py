@@ -82,7 +82,7 @@ from deepspeed.checkpoint.autoep_zero3 import (
     _uses_zero3_partitioned_autoep_metadata as _uses_zero3_partitioned_autoep_metadata,
 )
 from deepspeed.checkpoint.autoep_zero3 import expert_lazy_states, uses_partitioned_experts
-from deepspeed.checkpoint.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS
+from deepspeed.checkpoint.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS
 from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
 from deepspeed.checkpoint.tp_merge import group_per_tp_shapes as _group_per_tp_shapes  # noqa: F401 - DeepSpeed names
 from deepspeed.checkpoint.tp_merge import merge_tp_slices as merge_tp_slices
@@ -238,7 +238,7 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
             value = tensors[name].contiguous()  # one parameter's state in memory at a time
             obj = value.reshape(-1) if stage == 3 else {PARAM: value, CAT_DIM: 0}
             if name in experts:  # every expert's rows: a universal load takes its own expert-parallel rank's
-                obj = {PARAM: value, CAT_DIM: 0, "is_expert_param": True}
+                obj = {PARAM: value, CAT_DIM: 0, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: int(value.shape[0])}
             _save(os.path.join(param_dir, f"{key}.pt"), obj)
             del value, obj
         if group_of[name] in steps:  # DeepSpeed writes it at stage 1/2; stage 3 gets it too (loaders ignore it)
