@@ -216,3 +216,9 @@ def test_sections_with_errors_take_no_part_in_cross_section_checks():
     with pytest.raises(ConfigError) as err:
         load_config(data)
     assert err.value.paths == ["zero_optimization.reduce_bucket_size"]
+
+
+def test_deepcompile_with_autoep_autotp_folding_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"compile\.deepcompile.*AutoEP\+AutoTP folding"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "compile": {"deepcompile": True},
+                     "expert_parallel": {"enabled": True, "autoep_size": 2}, "tensor_parallel": {"autotp_size": 2}})

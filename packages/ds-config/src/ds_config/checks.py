@@ -52,6 +52,11 @@ def _parallel(cfg: DeepSpeedConfig) -> list[ConfigProblem]:
                                      "tensor-parallel group; accepted: false (or ZeRO stage 0, 1, 2)", True))
     # AutoEP with ZeRO stage 3: the engine checks what it cannot combine with (MiCS, hpZ, qgZ, sequence parallel)
     # AutoEP with AutoTP folds the expert groups onto the tensor-parallel ranks; ds_moe.autoep.folding checks it
+    if cfg.compile.deepcompile and cfg.expert_parallel.enabled and cfg.tensor_parallel.enabled:
+        out.append(ConfigProblem("compile.deepcompile", "DeepCompile does not compile a model with AutoEP+AutoTP "
+                                 "folding (expert_parallel with tensor_parallel.autotp_size > 1): its passes do not "
+                                 "know the folded expert and tensor groups (DeepSpeed refuses the combination "
+                                 "too); accepted: false here", True))
     if cfg.compile.autosp and stage not in (0, 1):
         out.append(ConfigProblem("compile.passes", f"AutoSP trains with ZeRO stage 0 or 1 (zero_optimization.stage "
                                  f"is {stage}): sequence sharding by the compiler does not compose with partitioned "
