@@ -71,6 +71,7 @@ def as_engine_state(obj: Any) -> EngineState:
         shards=tuple(getattr(obj, "checkpoint_shards", ())),
         data_sampler=_curriculum_sampler(obj),
         random_ltd=getattr(obj, "random_ltd_scheduler", None),
+        load_module_state_dict=getattr(obj, "load_module_state_dict", None),
     )
 
 

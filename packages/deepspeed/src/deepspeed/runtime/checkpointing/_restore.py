@@ -97,13 +97,24 @@ def read_model_states(state: EngineState, path: str, load: Callable[[str], Any] 
     return checkpoint
 
 
-def _load_module(state: EngineState, weights: dict[str, Any], opts: LoadOptions, path: str) -> None:
-    if opts.custom_load_fn is not None:
+def _load_module(state: EngineState, checkpoint: dict[str, Any], weights: dict[str, Any], opts: LoadOptions,
+                 path: str) -> None:
+    """The weights into the model: through the engine's ``load_module_state_dict`` when the state has one (an
+    engine subclass may override it), with ``checkpoint`` as read but ``module`` completed by the extensions."""
+    hook = state.load_module_state_dict
+    if opts.custom_load_fn is not None and hook is None:
         opts.custom_load_fn(src=weights, dst=state.module)
         return
     try:
-        state.module.load_state_dict(weights, strict=opts.strict)
+        if hook is not None:
+            hook({**checkpoint, "module": weights}, strict=opts.strict, custom_load_fn=opts.custom_load_fn)
+        else:
+            state.module.load_state_dict(weights, strict=opts.strict)
+    except CheckpointError:
+        raise
     except RuntimeError as exc:
+        if opts.custom_load_fn is not None:  # the caller's function: its errors are its own
+            raise
         raise CheckpointError(f"{path}: the saved module weights do not fit the model: {exc}") from exc
 
 
@@ -177,7 +188,7 @@ def prepare_restore(state: EngineState, path: str, tag_dir: str, opts: LoadOptio
                 weights = complete(dict(weights), load)
         if opts.custom_load_fn is None:
             check_module_weights(state.module, weights, opts.strict, path)
-        restore.steps.append(lambda: _load_module(state, weights, opts, path))
+        restore.steps.append(lambda: _load_module(state, checkpoint, weights, opts, path))
     if not opts.module_only:
         restore.steps.append(lambda: _restore_training_state(state, checkpoint, opts, path))
         restore.consumed = list(ENGINE_KEYS)

@@ -156,6 +156,9 @@ class EngineState:
     trusted_load: bool = False
     data_sampler: Stateful | None = None  # curriculum DeepSpeedDataSampler, saved under "data_sampler"
     random_ltd: Stateful | None = None  # RandomLTDScheduler, saved under "random_ltd"
+    # the engine's load_module_state_dict(checkpoint, strict=, custom_load_fn=): loads the weights instead of
+    # module.load_state_dict, so an engine subclass's override decides (None: module.load_state_dict)
+    load_module_state_dict: Callable[..., None] | None = None
 
     def optimizer_in_shards(self) -> bool:
         """Whether an extension (ZeRO) saves the optimizer instead of the model-states file."""

@@ -36,6 +36,7 @@ from deepspeed.runtime.engine._compression import build_compression_scheduler
 from deepspeed.runtime.engine._data_efficiency import DataMethods
 from deepspeed.runtime.engine._deepcompile import DeepCompileMethods
 from deepspeed.runtime.engine._grad_sync import GradSyncContextError, GradSyncMethods
+from deepspeed.runtime.engine._module_state import ModuleStateMethods
 from deepspeed.runtime.engine._precision import MixedPrecisionMethods, is_zero_init_model
 from deepspeed.runtime.engine._timers import (
     BACKWARD,
@@ -65,7 +66,7 @@ class LossArgumentError(TypeError, AssertionError):
 
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
                       CheckpointNameMethods, DeepCompileMethods, AutoEPFoldingMethods, GradSyncMethods,
-                      torch.nn.Module):
+                      ModuleStateMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
