@@ -195,6 +195,13 @@ def _bad_inputs() -> None:
         qwen(visual, text, ids[:, :3])
     with pytest.raises(NotImplementedError, match="LlavaFusionAdapter"):
         ModalityFusionSPAdapter(torch.nn.Identity(), dist.group.WORLD)(visual, text, ids)
+    from deepspeed.sequence.autosp_fusion import LlavaFusionAdapter
+
+    llava = LlavaFusionAdapter(torch.nn.Identity(), dist.group.WORLD, image_token_id=IMG)
+    three = torch.zeros(1, 6, dtype=torch.long)
+    three[0, [1, 3, 5]] = IMG  # 3 placeholders, 2 visual tokens: the third would keep its placeholder embedding
+    with pytest.raises(ValueError, match="3 image placeholders .* 2 visual tokens"):
+        llava._splice_visual_into_text(text, visual, three)
     with pytest.raises(ValueError, match="hidden_states must be"):
         UlyssesSPViTAttention(torch.nn.Identity(), dist.group.WORLD)(torch.zeros(2, 3))
 

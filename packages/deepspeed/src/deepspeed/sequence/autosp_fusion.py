@@ -93,9 +93,13 @@ class LlavaFusionAdapter(ModalityFusionSPAdapter):
             if not places:
                 samples.append(text)
                 continue
-            shares = visual.chunk(len(places), dim=0)
+            if visual.shape[0] < len(places) or visual.shape[0] % len(places):
+                raise ValueError(f"LLaVA fusion: a sample has {len(places)} image placeholders (image_token_id "
+                                 f"{self.image_token_id}) but {visual.shape[0]} visual tokens, which do not split "
+                                 "into equal shares; accepted: a token count divisible by the placeholder count")
+            shares = visual.split(visual.shape[0] // len(places), dim=0)
             pieces, after = [], 0
-            for place, share in zip(places, shares, strict=False):
+            for place, share in zip(places, shares, strict=True):
                 pieces += [text[after:place], share]
                 after = place + 1
             pieces.append(text[after:])
