@@ -26,6 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from ds_moe.autoep import folding as _folding
+from ds_moe.autoep.folded import FOLDING_HOOKED_ATTR
 from ds_moe.autoep.folding import AUTOEP_FOLDING_GRAD_REDUCE_SKIP
 from ds_zero import stage_1_and_2 as _zero
 from ds_zero.stage_1_and_2 import (
@@ -132,6 +133,8 @@ class DeepSpeedZeroOptimizer(_zero.DeepSpeedZeroOptimizer):
         until the engine's boundary sweep, which owns the correction; an incomplete gradient (``ds_grad_is_ready``
         False) is left alone. Gradients of a folded model are already corrected by its backward hooks."""
         if self.autoep_folding_spec is None or grad is None or getattr(param, "ds_grad_is_ready", True) is False:
+            return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
+        if getattr(param, FOLDING_HOOKED_ATTR, False):  # its backward hook corrected it: again would divide twice
             return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
         if not self.partition_gradients and not self.overlap_comm:
             return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
