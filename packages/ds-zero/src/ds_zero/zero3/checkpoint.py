@@ -96,7 +96,9 @@ def _same_layout(opt: Any, states: Sequence[dict[str, Any]]) -> bool:
 def load_stage3_state(opt: Any, states: Sequence[dict[str, Any]]) -> None:
     _check(opt, states)
     saved_groups = states[0].get(PARTITION_GROUPS)
-    if saved_groups is not None and saved_groups != opt._zero3_partition_group_metadata():
+    # several files: another world size, where expert partitions cannot be put together by name (and states[0] is
+    # rank 0's file, whose metadata names rank 0's groups)
+    if saved_groups is not None and (len(states) > 1 or saved_groups != opt._zero3_partition_group_metadata()):
         raise ValueError(f"ZeRO-3 optimizer state: its partition groups ({PARTITION_GROUPS}: sub-groups over AutoEP "
                          "expert-data-parallel groups) differ from this optimizer's; it loads onto the same world size "
                          "and autoep_size only (convert it with ds_to_universal.py to change either)")
