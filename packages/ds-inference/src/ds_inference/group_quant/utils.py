@@ -118,7 +118,8 @@ def concat_to_compat_param(quantized_weight: Tensor, quant_scale: Tensor, quant_
 def _quantize_param(param: nn.Parameter, quant_config: dict) -> None:
     """Replace ``param``'s data by its packed quantized form in place (``weight_quantized`` marks it)."""
     if getattr(param, "weight_quantized", False):
-        raise ValueError("this parameter is already quantized")
+        raise ValueError(f"_quantize_param: the parameter (packed shape {tuple(param.shape)}) is already quantized "
+                         "(weight_quantized is set); each parameter is quantized once")
     quantizer = Quantizer(quant_config)
     codes, scale, low = quantizer.quantize(param.data)
     compat = concat_to_compat_param(codes, scale, low, return_param=False)
