@@ -140,3 +140,55 @@ def test_folded_checkpoint_records_the_layout_and_resumes(tmp_path):
         assert families == ["dense", "routed_expert", "zero_optimizer_state"]
         assert got == want
         assert "Missing AutoEP+AutoTP folding metadata" in error
+
+
+def _folded_resume(folder: str, tp: int, ep: int) -> tuple[list[str], float, float, str]:
+    """Save at tensor parallel ``tp`` x expert parallel ``ep``, load into a fresh engine, the next loss; then a
+    missing per-expert file's error."""
+    import os
+
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": False},
+           "tensor_parallel": {"autotp_size": tp, "partition_config": SKIP_ALL}}
+    g = torch.Generator().manual_seed(dist.get_rank() // tp)  # a tensor-parallel group shares its batch
+    batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(3)]
+    engine, *_ = deepspeed.initialize(model=_mixtral(), config=cfg)
+    for ids in batches[:2]:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(folder, tag="t")
+    want = float(engine(input_ids=batches[2], labels=batches[2]).loss)
+    expert_files = sorted(n for n in os.listdir(os.path.join(folder, "t")) if n.startswith("layer_"))
+    resumed, *_ = deepspeed.initialize(model=_mixtral(), config=cfg)
+    resumed.load_checkpoint(folder, tag="t")
+    got = float(resumed(input_ids=batches[2], labels=batches[2]).loss)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        lost = ((tp - 1) % ep) * 2  # the first expert of the last tensor-parallel rank
+        os.remove(os.path.join(folder, "t", f"layer_0_expert_{lost}_mp_rank_{tp - 1:02d}_model_states.pt"))
+    dist.barrier()
+    again, *_ = deepspeed.initialize(model=_mixtral(), config=cfg)
+    try:
+        again.load_checkpoint(folder, tag="t")
+        error = ""
+    except RuntimeError as exc:  # the rank that misses it names the file; the others are told which rank failed
+        error = str(exc)
+    return expert_files, want, got, error
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(4, 2), (2, 2)], ids=["tp4-ep2", "tp2-ep2"])
+def test_folded_checkpoint_loads_at_every_tp_ep(tmp_path, tp, ep):
+    """tp 4 > ep 2: the expert-data-parallel peers (0, 2) and (1, 3) sit at different tensor-parallel ranks, so
+    each (tensor-parallel rank, expert) pair needs its own file (named ``mp_rank_<tp rank>``, as in DeepSpeed)."""
+    results = run_distributed(_folded_resume, world_size=4, args=(str(tmp_path), tp, ep), timeout=300)
+    for rank, (files, want, got, error) in enumerate(results):
+        # every tensor-parallel rank has every expert it can hold: expert e lives on ep rank e // 2
+        held = {(r % tp, (r % ep) * 2 + local) for r in range(4) for local in range(2)}
+        assert files == sorted(f"layer_0_expert_{e}_mp_rank_{t:02d}_model_states.pt" for t, e in held)
+        assert got == want  # bitwise: the resumed engine's next loss is the saved engine's
+        lost = ((tp - 1) % ep) * 2  # every rank is told the reader's error (nothing loads anywhere)
+        assert f"layer_0_expert_{lost}_mp_rank_{tp - 1:02d}_model_states.pt: missing" in error, (rank, error)
+        assert f"expected layout: AutoEP folded onto AutoTP (tp_size={tp}, ep_size={ep})" in error

@@ -153,6 +153,13 @@ class ZeroCheckpointShards:
         first = self._read(ctx, load, probe)
         counts = first.get("partition_count", 1)
         saved_world = max(counts) if isinstance(counts, list) else int(counts)
+        if (saved_world > ctx.parallel.dp_world_size and probe == optim_states_name(rank, mp_rank, prefix)
+                and counts == [fg.layout.world_size for fg in self.optimizer.groups]
+                and same_names(first, self.optimizer)):
+            # AutoEP folded onto AutoTP with tp > ep: an expert group spans more ranks than the data-parallel
+            # group that names the files; same layout, so this rank's own file is all it needs
+            self._check_states(ctx, [probe], [first], same_layout=True)
+            return first
         names = [optim_states_name(r, mp_rank, prefix) for r in range(saved_world)]
         missing = [n for n in names if not os.path.isfile(os.path.join(ctx.tag_dir, n))]
         if missing:

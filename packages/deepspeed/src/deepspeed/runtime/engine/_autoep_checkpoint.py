@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from deepspeed import comm as dist
 from deepspeed.checkpoint.autoep_universal import EXPERT_WEIGHT_NAMES
 from deepspeed.checkpoint.constants import (
     AUTOEP_LAYERS_KEY,
@@ -133,9 +136,13 @@ class AutoEPCheckpointShards:
         if self.zero3:
             return files
         mp = ctx.parallel.mp_rank
+        folding = self._folding()
         for layer_id, (name, layer) in enumerate(self.layers):
             group = layer.ep_group_name
-            if group in groups._get_expert_parallel_group_dict() and groups._get_expert_data_parallel_rank(group):
+            if folding is not None:
+                if not self._folded_expert_writer(folding):
+                    continue
+            elif group in groups._get_expert_parallel_group_dict() and groups._get_expert_data_parallel_rank(group):
                 continue  # one writer per expert-data-parallel group
             first = layer.ep_rank * layer.num_local_experts
             for local in range(layer.num_local_experts):
@@ -149,12 +156,39 @@ class AutoEPCheckpointShards:
         mp = self.engine.mp_rank
         if self.zero3:
             return weights
+        layout = self._expected_layout(mp)
         for layer_id, (name, layer) in enumerate(self.layers):
             if all(f"{_prefix(name)}.{w}" in weights for w in EXPERT_WEIGHT_NAMES):
                 continue  # saved with the fused weights in the model states (same autoep_size only)
             weights.update(stacked_experts(
-                layer, name, lambda e, i=layer_id: f"layer_{i}_expert_{e}_mp_rank_{mp:02d}_model_states.pt", load))
+                layer, name, lambda e, i=layer_id: f"layer_{i}_expert_{e}_mp_rank_{mp:02d}_model_states.pt", load,
+                layout=layout))
         return weights
+
+    def _folding(self) -> Any:
+        """The ``ParallelFoldingSpec`` when AutoEP is folded onto AutoTP (tensor-parallel size > 1), else None."""
+        spec = getattr(self.engine, "_autoep_folding_spec", None)
+        return spec if spec is not None and getattr(spec, "tp_size", 1) > 1 else None
+
+    @staticmethod
+    def _folded_expert_writer(spec: Any) -> bool:
+        """Folded: a rank at tensor-parallel rank ``t`` and expert-parallel rank ``r`` loads its experts from the
+        files named ``mp_rank_<t>``, so one file per (``t``, ``r``) pair present in the layout must exist
+        (DeepSpeed: every rank whose dense data-parallel rank is below ``ep_size`` writes). The pairs are
+        (stage rank mod ``tp``, stage rank mod ``ep``); the first ``lcm(tp, ep)`` ranks of the stage hold each
+        pair exactly once, so they write, each file once."""
+        return dist.get_rank() % spec.stage_size < math.lcm(spec.tp_size, spec.ep_size)
+
+    def _expected_layout(self, mp: int) -> str:
+        """Where this rank's per-expert files come from, for the error a missing one raises."""
+        spec = self._folding()
+        if spec is None:
+            return (f"per-expert files named by model-parallel rank {mp}, written by the first rank of each "
+                    "expert-data-parallel group")
+        return (f"AutoEP folded onto AutoTP (tp_size={spec.tp_size}, ep_size={spec.ep_size}): one file per expert "
+                f"and tensor-parallel rank, this rank reads tensor-parallel rank {mp}'s files (written by the first "
+                f"lcm(tp_size, ep_size)={math.lcm(spec.tp_size, spec.ep_size)} ranks of each stage; a checkpoint "
+                "saved before this layout has only the first expert-data-parallel rank's files)")
 
     def load_files(self, ctx: ShardContext, load: Callable[[str], Any]) -> None:
         self.prepare_load(ctx, load)()
@@ -239,14 +273,24 @@ def load_moe_state_dict(checkpoint_path: str, tag: Any, state_dict: dict[str, An
 
 
 def stacked_experts(layer: Any, module_name: str, path_of: Callable[[int], str],
-                    load: Callable[[str], Any]) -> dict[str, torch.Tensor]:
+                    load: Callable[[str], Any], layout: str | None = None) -> dict[str, torch.Tensor]:
     """The fused ``<prefix>.w1|w2|w3`` of this rank's experts of ``layer``, stacked from the per-expert files
-    (``path_of(global expert id)``, read by ``load``)."""
+    (``path_of(global expert id)``, read by ``load``). A missing file raises ``FileNotFoundError`` naming it, the
+    expert, this rank's expert-parallel position and ``layout`` (what the load expected)."""
     first, prefix = layer.ep_rank * layer.num_local_experts, _prefix(module_name)
     rows: dict[str, list[torch.Tensor]] = {w: [] for w in EXPERT_WEIGHT_NAMES}
     for e in range(first, first + layer.num_local_experts):
         path = path_of(e)
-        saved = load(path)
+        try:
+            saved = load(path)
+        except FileNotFoundError as exc:
+            full = getattr(exc, "filename", None) or path
+            reason = (f"missing (the file does not exist): AutoEP expert {e} of layer {module_name!r} for this "
+                      f"rank's expert-parallel rank {layer.ep_rank} of ep_size {layer.ep_size}; expected layout: "
+                      f"{layout or 'per-expert files named by model-parallel rank'}")
+            error = FileNotFoundError(errno.ENOENT, f"AutoEP expert checkpoint file not found: {reason}", full)
+            error.checkpoint_path, error.reason = full, reason  # type: ignore[attr-defined]
+            raise error from exc
         for w in EXPERT_WEIGHT_NAMES:
             key = f"{prefix}.{w}.{e}"
             if not isinstance(saved, dict) or key not in saved:
