@@ -177,6 +177,41 @@ def test_bad_expert_files_are_named_on_load(tmp_path):
     (errors,) = run_distributed(_bad_files, world_size=1, args=(str(tmp_path),), timeout=120)
     assert "model.layers.0.mlp.experts.w1" in errors["universal"] and "fp32.pt" in errors["universal"]
     assert "layer_1_expert_2_mp_rank_00_model_states.pt" in errors["plain"]
+    assert "expected layout: per-expert files named by model-parallel rank 0" in errors["plain"]
+
+
+def _other_expert_count(save_dir: str) -> tuple[str, str]:
+    import deepspeed
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    engine = _engine(2, 2)
+    _steps(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    if dist.get_rank() == 0:
+        convert(["--input_folder", os.path.join(save_dir, "t"), "--output_folder", os.path.join(save_dir, "u")])
+    dist.barrier()
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=24, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True},
+           "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}}
+    target, *_ = deepspeed.initialize(model=transformers.MixtralForCausalLM(config), config=cfg)
+    try:
+        target.load_checkpoint(save_dir, tag="u")
+    except ValueError as exc:  # raised as a ValueError on every rank, as DeepSpeed's load does
+        return type(exc).__name__, str(exc)
+    return "", "loaded"
+
+
+def test_universal_load_names_the_expert_count_before_any_other_shape(tmp_path):
+    """Saved with 4 experts, loaded into 8 at autoep_size 2: the router's shape differs and the expert files are
+    missing too, but the error says the expert layout is what differs (checked before anything else is read)."""
+    for kind, error in run_distributed(_other_expert_count, world_size=2, args=(str(tmp_path),), timeout=240):
+        assert kind == "CheckpointRankValueError", error
+        assert "target_local_experts=4, checkpoint_local_experts=2" in error
+        assert "router" not in error and "mp_rank_00_model_states.pt: saved AutoEP layers" in error
 
 
 def _stage0(save_dir: str) -> tuple:

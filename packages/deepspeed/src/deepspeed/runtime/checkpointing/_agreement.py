@@ -35,7 +35,7 @@ import errno
 import json
 from typing import Any, NamedTuple
 
-from deepspeed.runtime.checkpointing.errors import CheckpointRankError
+from deepspeed.runtime.checkpointing.errors import CheckpointRankError, CheckpointRankValueError
 
 MAX_CAUSE = 600  # characters: keeps the store values small and the message readable
 _OK = "ok"
@@ -94,4 +94,5 @@ def agree(meeting: Any, op: str, phase: str, error: BaseException | None, conseq
     failures = {rank: RankFailure(**json.loads(value)) for rank, value in statuses.items() if value != _OK}
     if failures:
         message = format_failures(op, phase, failures, consequence, meeting.rank)
-        raise CheckpointRankError(message, op, phase, meeting.rank, failures) from error
+        kind = CheckpointRankValueError if isinstance(error, ValueError) else CheckpointRankError
+        raise kind(message, op, phase, meeting.rank, failures) from error

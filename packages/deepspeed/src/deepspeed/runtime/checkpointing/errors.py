@@ -61,5 +61,10 @@ class CheckpointRankError(CheckpointError):
         return type(self), (str(self), self.op, self.phase, self.rank, self.failures), dict(self.__dict__)
 
 
+class CheckpointRankValueError(CheckpointRankError, ValueError):
+    """:class:`CheckpointRankError` raised on a rank whose own failure was a ``ValueError`` (bad content, e.g. a
+    checkpoint of another layout), so callers catching ``ValueError`` as with DeepSpeed still do."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file holds Python objects that ``torch.load(weights_only=True)`` refuses to build."""

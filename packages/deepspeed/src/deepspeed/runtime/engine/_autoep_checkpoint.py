@@ -156,6 +156,11 @@ class AutoEPCheckpointShards:
         mp = self.engine.mp_rank
         if self.zero3:
             return weights
+        # the expert layout first: a model with another expert count is told so, not that a file is missing
+        name = f"mp_rank_{mp:02d}_model_states.pt"
+        saved = getattr(load, "mapped", load)(name).get(AUTOEP_LAYERS_KEY)
+        if saved is not None:
+            self.check_saved_layers(validate_autoep_layers(saved, name), name)
         layout = self._expected_layout(mp)
         for layer_id, (name, layer) in enumerate(self.layers):
             if all(f"{_prefix(name)}.{w}" in weights for w in EXPERT_WEIGHT_NAMES):
@@ -207,12 +212,58 @@ class AutoEPCheckpointShards:
         """A Universal Checkpoint's experts come through the optimizer's universal load (rows cut by ep rank)."""
         return self.prepare_load(ctx, load)
 
+    def universal_reader(self, inner: Callable[[str], Any]) -> Callable[[str], Any]:
+        """Before any parameter of a Universal Checkpoint is read: its expert tensors must split into this model's
+        local experts (``ValueError`` naming ``target_local_experts`` and ``checkpoint_local_experts``, as
+        DeepSpeed's ZeRO-3 load does), so a model with another expert count is told that, not a router's shape."""
+        from ds_zero.checkpoint import UNIVERSAL_ZERO
+
+        tag_dir = getattr(inner, "tag_dir", None)
+        for name, layer in self.layers:
+            for w in EXPERT_WEIGHT_NAMES:
+                rel = os.path.join(UNIVERSAL_ZERO, f"{_prefix(name)}.{w}", "fp32.pt")
+                if tag_dir is not None and not os.path.isfile(os.path.join(tag_dir, rel)):
+                    continue  # the optimizer's universal load names missing folders
+                try:
+                    saved = inner(rel)
+                except FileNotFoundError:
+                    continue
+                value = saved.get("param") if isinstance(saved, dict) else saved
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # the optimizer's universal load names a file without a tensor
+                total = int(saved.get("ep_num_experts", value.shape[0])) if isinstance(saved, dict) else value.shape[0]
+                if total % layer.ep_size:
+                    raise ValueError(f"{rel}: AutoEP universal expert tensor cannot be split over the target "
+                                     f"expert-parallel ranks: checkpoint_num_experts={total}, "
+                                     f"target_ep_size={layer.ep_size}")
+                if total // layer.ep_size != layer.num_local_experts:
+                    raise ValueError(f"{rel}: AutoEP universal expert tensor is incompatible with this model's "
+                                     f"layer {name!r}: target_local_experts={layer.num_local_experts}, "
+                                     f"checkpoint_local_experts={total // layer.ep_size} (checkpoint_num_experts="
+                                     f"{total}, model num_experts={layer.num_experts}, ep_size={layer.ep_size})")
+        return inner
+
     def check_saved_layers(self, saved: list[dict[str, Any]], where: str) -> None:
         now = {_prefix(name): layer.num_experts for name, layer in self.layers}
         then = {entry["expert_key_prefix"]: entry["num_experts"] for entry in saved}
         if then != now:
-            raise CheckpointError(f"{where}: saved AutoEP layers (expert prefix -> num_experts) {then} differ from "
-                                  f"this model's {now}")
+            detail = ""
+            for name, layer in self.layers:
+                total = then.get(_prefix(name))
+                if isinstance(total, int) and total != layer.num_experts:
+                    local = (f"checkpoint_local_experts={total // layer.ep_size}" if total % layer.ep_size == 0
+                             else f"checkpoint_num_experts={total} not divisible by ep_size={layer.ep_size}")
+                    detail = (f"; AutoEP layer {name!r}: target_local_experts={layer.num_local_experts}, {local} "
+                              f"(checkpoint num_experts={total}, this model's {layer.num_experts}, "
+                              f"ep_size={layer.ep_size})")
+                    break
+            raise AutoEPLayoutError(f"{where}: saved AutoEP layers (expert prefix -> num_experts) {then} differ "
+                                    f"from this model's {now}{detail}")
+
+
+class AutoEPLayoutError(CheckpointError, ValueError):
+    """A checkpoint saved with another AutoEP expert layout than the model loading it (a ``ValueError`` as in
+    DeepSpeed, and a ``CheckpointError``)."""
 
 
 def _torch_load(path: str, map_location: Any = None) -> Any:
