@@ -163,3 +163,19 @@ def test_load_checkpoint_calls_a_subclass_override(tmp_path, stage):
         assert len(out["calls"]) == 1
         keys, strict = out["calls"][0]
         assert "module" in keys and "global_steps" in keys and strict is False
+
+
+# ---- the sequence-parallel size AutoEP's ZeRO-3 checks use ----------------------------------------------------
+def _sequence_size_body() -> dict:
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    engine = deepspeed.initialize(model=_model(0), config=_config(0))[0]
+    without = engine._autoep_sequence_parallel_world_size()  # no mpu: deepspeed.utils.groups' size
+    engine.mpu = SimpleNamespace(get_sequence_parallel_world_size=lambda: 4)
+    return {"without": without, "mpu": engine._autoep_sequence_parallel_world_size()}
+
+
+def test_autoep_sequence_parallel_world_size():
+    assert run_distributed(_sequence_size_body, world_size=1, timeout=60)[0] == {"without": 1, "mpu": 4}
