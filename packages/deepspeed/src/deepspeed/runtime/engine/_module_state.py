@@ -2,8 +2,9 @@
 
 ``load_checkpoint`` (``deepspeed.runtime.checkpointing``) calls this method on the engine instead of
 ``module.load_state_dict``, so a subclass or client that overrides it (as DeepSpeed's own pipeline engine and
-several trainers do) decides how the weights load. ``_autoep_sequence_parallel_world_size`` is the
-sequence-parallel size AutoEP's layout validation folds into the world size.
+several trainers do) decides how the weights load. ``_autoep_sequence_parallel_world_size`` is DeepSpeed's
+accessor of the sequence-parallel size AutoEP's layout is checked against (the mpu's, else ``groups``'); the ZeRO-3
+MoE gate here reads the engine's own ``sequence_parallel_size``, which the engine took from the same sources.
 """
 
 from __future__ import annotations

@@ -276,7 +276,7 @@ class Zero3EngineMethods:
         check_zero3_moe(
             self.module, autotp_size=int(_setting(cfg, "tensor_parallel_config.autotp_size",
                                                   "tensor_parallel.autotp_size", default=1) or 1),
-            sequence_parallel_size=self._autoep_sequence_parallel_world_size(),
+            sequence_parallel_size=int(getattr(self, "sequence_parallel_size", 1)),
             quantized_gradients=lambda: bool(quantized()) if callable(quantized) else False,
             mics_shard_size=int(_setting(cfg, "mics_shard_size", "zero_optimization.mics_shard_size", default=0)),
             hpz_partition_size=int(_setting(cfg, "zero_config.zero_hpz_partition_size",
