@@ -2,7 +2,8 @@
 
 ``create_predictor()`` times ``all_gather_into_tensor`` once per process over message sizes 2**1 .. 2**(max_exp-1)
 bytes-per-world elements, then answers "how long does gathering N bytes take" by linear interpolation between the
-measured points (and linear extrapolation past the largest). Every rank takes part in every collective in the same
+measured points (and linear extrapolation past the largest; on the host the sweep stops early, see
+``HOST_STOP_SECONDS``). Every rank takes part in every collective in the same
 order; a rank that cannot allocate the next size makes all of them stop there (one vote per size).
 """
 
@@ -23,6 +24,10 @@ from .graph_profile import current_device, timing_events
 # slow and beyond 16M elements the line is already straight).
 MAX_EXP_DEVICE = 31
 MAX_EXP_HOST = 25
+# On the host the sweep also stops after the first size whose all-gather takes longer than this (seconds, averaged
+# over ranks, so every rank stops at the same size): gloo is well into its straight line by then, and the larger
+# sizes would take minutes. The prediction extends the last measured segment.
+HOST_STOP_SECONDS = 0.002
 
 
 def sync_all() -> None:
@@ -81,8 +86,9 @@ def _allocate(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.T
 
 
 def run_all_gather(device: torch.device, dtype: torch.dtype, maxsize: int, warmup: int = 5, trials: int = 10,
-                   async_op: bool = False) -> list[tuple[int, float]]:
-    """Measured ``(bytes, seconds)`` points, starting with (0, 0), for sizes 2**1 .. 2**(maxsize-1) per world."""
+                   async_op: bool = False, stop_seconds: float | None = None) -> list[tuple[int, float]]:
+    """Measured ``(bytes, seconds)`` points, starting with (0, 0), for sizes 2**1 .. 2**(maxsize-1) per world;
+    with ``stop_seconds``, none after the first size taking longer than that."""
     world = dist.get_world_size()
     start, end = timing_events(device, 1)[0], timing_events(device, 1)[0]
     results = [(0, 0.0)]
@@ -97,6 +103,8 @@ def run_all_gather(device: torch.device, dtype: torch.dtype, maxsize: int, warmu
             break
         results.append(timed_all_gather(device, *buffers, start, end, warmup, trials, async_op))
         del buffers
+        if stop_seconds is not None and results[-1][1] > stop_seconds and len(results) > 2:
+            break
     return results
 
 
@@ -125,7 +133,8 @@ def create_predictor() -> Callable[[float], float]:
         device = current_device()
         max_exp = MAX_EXP_HOST if device.type == "cpu" else MAX_EXP_DEVICE
         with unset_fake_temporarily():
-            profile_results = run_all_gather(device, torch.bfloat16, max_exp)
+            profile_results = run_all_gather(device, torch.bfloat16, max_exp,
+                                             stop_seconds=HOST_STOP_SECONDS if device.type == "cpu" else None)
         if dist.get_rank() == 0:
             for size, seconds in profile_results:
                 print(f"all-gather profile: {size} bytes {seconds:.6f} s")

@@ -3,12 +3,14 @@
 ``ProfilingInterpreter`` runs every node ``warmup`` + ``iteration`` times and records, averaged over ranks:
 ``device_time`` and ``wall_time`` (ms per run), ``alloc_mem`` (bytes the node left allocated), ``max_mem`` (peak
 bytes above the start) and ``tensor_size`` (bytes of its output). ``MemoryProfilingInterpreter`` runs the graph once
-and keeps ``(name, allocated, delta, peak)`` per node (maximum over ranks) in ``mem_record``.
+and keeps ``(name, allocated, delta, peak)`` per node (maximum over ranks, one reduction for the whole run) in
+``mem_record``.
 
-Both issue collectives node by node, so a rank that fails on a node must not simply stop: it still takes part in
-that node's collectives, then every rank votes (``_abort_if_any_rank_failed``) and all of them leave together. The
-caller then gets an incomplete profile: missing metadata is filled with zeros and the graph is marked
-(``is_profile_incomplete``) so that passes planning from the profile skip it rather than trust it.
+Both run collectives, so a rank that fails on a node must not simply stop while the others head into a
+collective: ``ProfilingInterpreter`` still takes part in that node's collectives, ``MemoryProfilingInterpreter``
+skips ahead to the next node that may communicate; then every rank votes (``_abort_if_any_rank_failed``) and all
+of them leave together. The caller then gets an incomplete profile: missing metadata is filled with zeros and the
+graph is marked (``is_profile_incomplete``) so that passes planning from the profile skip it rather than trust it.
 """
 
 from __future__ import annotations
@@ -267,7 +269,11 @@ class ProfilingInterpreter(Interpreter):
         alloc_start = accelerator.memory_allocated()
         peak_start = accelerator.max_memory_allocated()
 
+        fresh_gather = _is_allgather(n) and len(args) > 2  # (param, graph_id, ds_id, ...)
+
         def call() -> Any:
+            if fresh_gather:  # every timed call really gathers, on every rank alike (nothing kept from before)
+                self.nz3.invalidate_gathered_param(args[2])
             return getattr(self, n.op)(n.target, args, kwargs)
 
         _run_warmup_for_profile(call, 0 if run_once else self.warmup)
@@ -360,8 +366,24 @@ def _is_allgather(n: Node) -> bool:
     return dc is not None and hasattr(dc, "allgather_param") and n.target == dc.allgather_param.default
 
 
+_COLLECTIVE_NAMESPACES = frozenset({"dc", "autotp", "c10d_functional", "_c10d_functional", "c10d"})
+
+
+def _may_communicate(n: Node) -> bool:
+    """A node that may enter a collective: a comm-tagged node or an operator of a communicating namespace."""
+    if is_comm_op(n):
+        return True
+    namespace = getattr(n.target, "namespace", None)
+    return n.op == "call_function" and namespace in _COLLECTIVE_NAMESPACES
+
+
 class MemoryProfilingInterpreter(Interpreter):
     """Allocated and peak bytes after each node (maximum over ranks) in ``mem_record``; see the module docstring.
+
+    The figures are kept per rank while the graph runs and reduced once at the end (one MAX over the whole
+    record). A node that fails on one rank is held: that rank skips the nodes after it (their inputs are gone)
+    until the next node that may communicate or the output, where every rank votes and all stop together; so the
+    run costs one vote per communicating node plus one reduction, not a collective per node.
 
     ``profile_complete`` is False after a failed run, and ``mem_record`` is then empty.
     """
@@ -377,10 +399,16 @@ class MemoryProfilingInterpreter(Interpreter):
         self.node_counter = 0
         self.node_num = len(gm.graph.nodes)
         self.debug_log = debug_log
+        self._local: list[tuple[str, int, int]] = []  # (name, allocated, peak) on this rank
+        self._error: BaseException | None = None
+        self._distributed = False
 
     def run(self, *args) -> Any:
         out = None
         self.profile_complete = True
+        self.mem_record.clear()
+        self._local, self._error = [], None
+        self._distributed = dist.is_initialized()
         try:
             if not _all_real_if_tensor(args):
                 raise ValueError("MemoryProfilingInterpreter.run needs real tensors, got fake ones")
@@ -388,6 +416,7 @@ class MemoryProfilingInterpreter(Interpreter):
             self.mem_usage_out_of_torch = _get_mem_usage_out_of_torch()
             with unset_fake_temporarily(), _fork_rng(self.device):
                 out = super().run(*args)
+                self._finish()
         except Exception as e:  # reported through profile_complete; the passes then skip their planning
             self.profile_complete = False
             self.mem_record.clear()
@@ -399,10 +428,34 @@ class MemoryProfilingInterpreter(Interpreter):
                 self.nz3.enable_profiling(False)
         return out
 
+    def _finish(self) -> None:
+        """The last vote, then one MAX over every rank's record (all ranks ran the same nodes)."""
+        _abort_if_any_rank_failed(self._error, self.device, self._distributed)
+        values = [v for _, alloc, peak in self._local for v in (alloc, peak)]
+        if self._distributed and values:
+            with unset_fake_temporarily():
+                reduced = torch.tensor(values, dtype=torch.int64, device=self.device)
+                dist.all_reduce(reduced, dist.ReduceOp.MAX)
+                values = [int(v) for v in reduced.tolist()]
+        last = self.last_alloc
+        for i, (name, _, _) in enumerate(self._local):
+            alloc, peak = values[2 * i], values[2 * i + 1]
+            self.mem_record.append((name, alloc, alloc - last, peak))
+            last = alloc
+        self.last_alloc = last
+        if self.debug_log and (not self._distributed or dist.get_rank() == 0):
+            for i, (name, alloc, delta, peak) in enumerate(self.mem_record):
+                print(f"memory profile {i + 1}/{self.node_num} {name}: {alloc / 2**20:.2f} MiB "
+                      f"(delta {delta / 2**20:.2f} MiB, peak {peak / 2**20:.2f} MiB)")
+
     def run_node(self, n: Node) -> Any:
+        if n.op == "output" or _may_communicate(n):  # every rank reaches here: a failure elsewhere stops us all
+            _abort_if_any_rank_failed(self._error, self.device, self._distributed)
+        if self._error is not None:
+            return None  # this rank failed earlier: wait for the next vote without running anything
         accelerator = get_accelerator()
         accelerator.reset_peak_memory_stats()
-        out, error = None, None
+        out = None
         try:
             if n.op in ("placeholder", "output"):
                 out = super().run_node(n)
@@ -412,24 +465,15 @@ class MemoryProfilingInterpreter(Interpreter):
                 kwargs = map_aggregate(kwargs, lambda v: _to(v, self.device))
                 out = getattr(self, n.op)(n.target, args, kwargs)
                 del args, kwargs
-        except Exception as e:  # held for the vote: this node's reduce below must still happen on every rank
-            error = e
-
+        except Exception as e:  # held for the next vote: the other ranks may be heading into a collective
+            self._error = e
+            if n.op == "output":
+                _abort_if_any_rank_failed(self._error, self.device, self._distributed)
+            return None
         alloc = accelerator.memory_allocated() + self.mem_usage_out_of_torch
         peak = accelerator.max_memory_allocated() + self.mem_usage_out_of_torch
-        distributed = dist.is_initialized()
-        if distributed:
-            vals = torch.tensor([alloc, peak], dtype=torch.int64, device=self.device)
-            dist.all_reduce(vals, dist.ReduceOp.MAX)
-            alloc, peak = (int(v) for v in vals.tolist())
-        _abort_if_any_rank_failed(error, self.device, distributed)
-
-        self.mem_record.append((n.name, alloc, alloc - self.last_alloc, peak))
+        self._local.append((n.name, alloc, peak))
         self.node_counter += 1
-        if self.debug_log and (not distributed or dist.get_rank() == 0):
-            print(f"memory profile {self.node_counter}/{self.node_num} {n.name}: {alloc / 2**20:.2f} MiB "
-                  f"(delta {(alloc - self.last_alloc) / 2**20:.2f} MiB, peak {peak / 2**20:.2f} MiB)")
-        self.last_alloc = alloc
         return out
 
     def dump(self, path: str) -> None:
