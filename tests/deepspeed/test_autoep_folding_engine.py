@@ -7,9 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_distributed
+from _harness import run_distributed, shutdown_pool
 
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_workers_after():
+    """A folded engine leaves tensor-parallel groups in deepspeed's module state of the pooled workers, which a
+    later non-folded AutoEP test on the same workers would read as an mpu: give the next test new processes."""
+    yield
+    shutdown_pool()
 
 STEPS = 3
 SKIP_ALL = {"use_default_specs": False, "layer_specs": [{"patterns": [".*\\.weight$"], "partition_type": "skip"}]}
