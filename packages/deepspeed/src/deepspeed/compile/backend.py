@@ -51,7 +51,8 @@ from deepspeed.compile.util import (
 )
 
 __all__ = ["GraphOrder", "cleanup_compiled_backward_state", "init_schedule", "launch_compile_passes", "make_backend",
-           "opt_passes", "register_compile_pass", "run_opt_passes", "patch_compiled_func", "unpatch_compiled_func"]
+           "opt_passes", "register_builtin_passes", "register_compile_pass", "run_opt_passes", "patch_compiled_func",
+           "unpatch_compiled_func"]
 
 remaining_schedule: deque | None = None
 next_passes: list[Callable] | None = None
@@ -118,6 +119,29 @@ def register_compile_pass(name: str, opt_pass_fn: Callable, contract: Any = None
 
     opt_passes[name] = opt_pass_fn
     register_pass_contract(name, contract)
+
+
+def register_builtin_passes() -> None:
+    """Register DeepCompile's own passes under their names (``zero3_compile``, ``prefetch``, ``selective_gather``,
+    ``offload_parameters``, ``zero1_compile``, ``zero2_compile``) with their contracts, so a user schedule may name
+    them; a name the user registered already is left alone."""
+    from deepspeed.compile.passes import (
+        offload_parameters,
+        prefetch,
+        selective_gather,
+        zero3_compile,
+        zero_1_and_2_compile,
+    )
+
+    for name, fn, contract in (
+            (zero3_compile.NAME, zero3_compile.add_z3_gather_release, zero3_compile.CONTRACT),
+            (prefetch.NAME, prefetch.schedule_prefetch, prefetch.CONTRACT),
+            (selective_gather.NAME, selective_gather.selective_gather, selective_gather.CONTRACT),
+            (offload_parameters.NAME, offload_parameters.offload_parameter_fwd, offload_parameters.CONTRACT),
+            (zero_1_and_2_compile.NAME_Z1, zero_1_and_2_compile.add_z1_reduce, zero_1_and_2_compile.CONTRACT_Z1),
+            (zero_1_and_2_compile.NAME_Z2, zero_1_and_2_compile.add_z2_reduce, zero_1_and_2_compile.CONTRACT_Z2)):
+        if name not in opt_passes:
+            register_compile_pass(name, fn, contract)
 
 
 def init_schedule(schedule: list) -> None:
@@ -220,14 +244,15 @@ def _quiesce() -> None:
 def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, graph_order: list, profiling_results:
                    dict, create_inputs_fn: Callable, mem_budget: float, param_manager: dict, bwd: bool,
                    debug_log: bool = False) -> GraphModule:
-    """Run ``opt_passes`` on ``gm`` in order; after each pass that changed it, profile its memory on real inputs
-    for the passes that plan from the profile (a step of one pass has none: no profile, which spares a run of the
-    graph with a collective per node)."""
+    """Run ``opt_passes`` on ``gm`` in order. When a later pass of the step may plan from profiles (a step of more
+    than one pass), each pass that changed the graph is followed by a memory profile on real inputs (one reduction
+    over ranks for the whole run); a step of one pass profiles nothing."""
     from deepspeed.compile.profilers.graph_profile import MemoryProfilingInterpreter
 
     _quiesce()
     handle = get_deepcompile_handle()
-    for i, opt_pass in enumerate(opt_passes or []):
+    passes = list(opt_passes or [])
+    for i, opt_pass in enumerate(passes):
         log_rank0(f"Running opt pass {i} for graph {graph_id}. bwd={bwd}", enable=debug_log)
         rewritten = opt_pass(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget,
                              param_manager, bwd)
@@ -235,8 +260,8 @@ def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, g
             gm = rewritten
             gm.graph.lint()
             gm.recompile()
-            if len(opt_passes) == 1:
-                continue
+            if len(passes) == 1:
+                continue  # no planning pass in this step reads a profile
             profiler = MemoryProfilingInterpreter(gm, debug_log=debug_log)
             handle.enable_profiling(True)  # reductions and stateful ops do not act during the profile run
             try:
@@ -269,6 +294,7 @@ def make_backend(backend: Any, compile_config: Any, compile_kwargs: dict | None 
     if backend not in ("eager", "inductor"):
         raise ValueError(f"DeepCompile: backend {backend!r} is not supported; accepted: 'eager', 'inductor'")
     register_custom_ops()
+    register_builtin_passes()
     owned = set() if owned_frames is None else owned_frames
     owner_token = object()
     free_activation = compile_config.free_activation and not is_backend_inductor(backend)

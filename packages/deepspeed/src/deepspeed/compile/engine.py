@@ -64,9 +64,10 @@ def _resolve_schedule(schedule: Any) -> Any:
     """A user schedule's pass names become the registered passes, after checking their contracts."""
     if schedule is None:
         return None
-    from deepspeed.compile.backend import opt_passes
+    from deepspeed.compile.backend import opt_passes, register_builtin_passes
     from deepspeed.compile.passes.contract import validate_schedule
 
+    register_builtin_passes()  # DeepCompile's own passes may be named: "zero3_compile", "prefetch", ...
     validate_schedule(schedule, opt_passes)
     resolved = []
     for step, passes in schedule:
