@@ -3,6 +3,7 @@ checks their contracts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _harness import run_distributed
 
@@ -49,5 +50,10 @@ def test_builtin_pass_names_resolve_to_the_passes():
 
     register_builtin_passes()
     assert {"zero3_compile", "prefetch", "selective_gather", "offload_parameters"} <= set(opt_passes)
-    assert _resolve_schedule([(0, ["zero3_compile", "prefetch"])]) == [(0, [add_z3_gather_release,
-                                                                           schedule_prefetch])]
+    from deepspeed.compile.passes.offload_parameters import offload_parameter_fwd
+
+    assert _resolve_schedule([(0, ["zero3_compile", "offload_parameters"])]) == [(0, [add_z3_gather_release,
+                                                                                     offload_parameter_fwd])]
+    # resolved, then refused on the engine path: their multi-rank profiling stalled over gloo
+    with pytest.raises(ValueError, match=r"step 2 names \['prefetch'\]"):
+        _resolve_schedule([(0, ["zero3_compile"]), (2, ["zero3_compile", schedule_prefetch])])
