@@ -21,6 +21,11 @@ import torch.distributed as dist
 from _checkpoint_testing import assert_same_tensors, sigkill_when_blocked
 from _harness import run_distributed
 
+from deepspeed.utils.tensor_fragment import fragment_address
+
+# this file reads the rank files itself: ZeRO-1/2's param_slice_mappings hold DeepSpeed's fragment_address objects
+torch.serialization.add_safe_globals([fragment_address])
+
 HERE = os.path.abspath(__file__)
 IN, HID, OUT, BATCH, GAS, N = 8, 24, 4, 16, 2, 3
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 4}}

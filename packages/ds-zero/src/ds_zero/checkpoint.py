@@ -154,7 +154,7 @@ class ZeroCheckpointShards:
         counts = first.get("partition_count", 1)
         saved_world = max(counts) if isinstance(counts, list) else int(counts)
         if (saved_world > ctx.parallel.dp_world_size and probe == optim_states_name(rank, mp_rank, prefix)
-                and counts == [fg.layout.world_size for fg in self.optimizer.groups]
+                and counts == [getattr(fg.layout, "world_size", None) for fg in self.optimizer.groups]
                 and same_names(first, self.optimizer)):
             # AutoEP folded onto AutoTP with tp > ep: an expert group spans more ranks than the data-parallel
             # group that names the files; same layout, so this rank's own file is all it needs
