@@ -32,7 +32,7 @@ MLP, none now).
 Ownership: a bucket's buffer belongs to backward (filled by ``grad_ready``) until its launch, then to the
 collective until ``_complete`` has waited for it; its staging buffer is written by the receives from launch
 until ``_sum_received`` has waited for them, then read once and returned to the pool.
-A bucket holds parameters of groups that share one process group (a :class:`_Channel`): the data-parallel
+A bucket holds parameters of groups that share one process group (a :class:`Channel`): the data-parallel
 group, or a MoE expert group's expert-data-parallel group, whose sums are divided by the whole data-parallel
 size (``FlatGroup.grad_divisor``) rather than by its own.
 """
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ds_zero._flat_group import FlatGroup
+from ds_zero._reduce_bucket import Bucket, Channel
 from ds_zero.collectives import TORCH, Collectives
 
 AUTOCAST_COMM_DTYPE_ATTR = "comm_dtype"  # set by deepspeed.runtime.torch_autocast.init_autocast_params
@@ -74,58 +75,6 @@ class ReduceSettings:
     gradient_predivide_factor: float = 1.0
     average: bool = True
     """False (``gradient_allreduce_op: sum``): the plain sum over the ranks, no factor before or after."""
-
-
-@dataclass(frozen=True, eq=False)
-class _Channel:
-    """The ranks a bucket is reduced over: ``group`` of ``world`` ranks (this one is ``rank``), the divisor of
-    the summed gradients, and whether pieces travel point to point (gloo)."""
-
-    group: Any
-    world: int
-    rank: int
-    divisor: float
-    p2p: bool
-
-    @classmethod
-    def of(cls, fg: FlatGroup) -> _Channel:
-        world = fg.layout.world_size
-        p2p = world > 1 and dist.get_backend(fg.process_group) == "gloo"
-        return cls(fg.process_group, world, fg.rank, fg.grad_divisor, p2p)
-
-    def peer(self, rank: int) -> int:
-        """The global rank of ``rank`` in this channel's group."""
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
-
-class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device,
-                 channel: _Channel) -> None:
-        self.params = params
-        self.channel = channel
-        self.offsets = []
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel, self.dtype, self.device = total, dtype, device
-        self.flat: torch.Tensor | None = None  # the communication buffer while packed or in flight
-        self.store: torch.Tensor | None = None  # stage 1, CPU: the parameters' full gradients (see grad_slot)
-        self.direct = False  # stage 1: reduced straight from ``store``, which the reduction never writes
-        self.acc: torch.Tensor | None = None  # direct: this rank's summed pieces (the staging itself on 2 ranks)
-        self.pooled = False  # flat is a view of a pooled buffer (returned to the pool when done)
-        self.runs: list[tuple[int, int, int]] | None = None  # (owner, offset, numel), see _owner_runs
-        self.own: list[tuple[int, int, int, int]] | None = None  # this rank's pieces, see _own_slices
-        self.staging: torch.Tensor | None = None  # receives the peers' copies of this rank's pieces (gloo)
-        self.staged = False  # staging is a pooled buffer (returned to the pool when done)
-        self.pending: list[int] = []  # channel ranks whose copies are still to be received (more than 2 ranks)
-        self.receives: list[Any] = []  # the receives in flight into staging
-        self.ready: set[int] = set()
-        self.filled: set[int] = set()  # slots already copied into ``flat`` as their gradients landed
-        self.works: list[Any] = []  # the collective, or the exchange's sends
-
-    def slice(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
-        return (self.flat if flat is None else flat).narrow(0, self.offsets[i], self.params[i].numel())
 
 
 class PartitionedReducer:
@@ -156,7 +105,7 @@ class PartitionedReducer:
         self.next_launch = 0
         self.coalescing = False
         self._pending_flush = False
-        self._inflight: collections.deque[_Bucket] = collections.deque()
+        self._inflight: collections.deque[Bucket] = collections.deque()
         self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._staging: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._unused: list[torch.nn.Parameter] = []
@@ -169,18 +118,18 @@ class PartitionedReducer:
         self.reduced = False  # the partitions hold this window's averaged gradients
 
     @staticmethod
-    def _group_channels(groups: list[FlatGroup]) -> list[_Channel]:
+    def _group_channels(groups: list[FlatGroup]) -> list[Channel]:
         """Each group's channel; groups over the same process group and divisor share one."""
-        channels: dict[tuple[int, int, float], _Channel] = {}
+        channels: dict[tuple[int, int, float], Channel] = {}
         out = []
         for fg in groups:
             key = (id(fg.process_group), fg.layout.world_size, fg.grad_divisor)
             if key not in channels:
-                channels[key] = _Channel.of(fg)
+                channels[key] = Channel.of(fg)
             out.append(channels[key])
         return out
 
-    def _plan(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+    def _plan(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         buckets, current, size = [], [], 0
         for p in reversed(params):  # a bucket never outgrows reduce_bucket_size unless one parameter does
             if current and size + p.numel() > self.settings.bucket_numel:
@@ -196,11 +145,11 @@ class PartitionedReducer:
             for p in members:
                 channel = self._channels[self.home[p][0]]
                 split.setdefault((self._comm_dtype(p), id(channel)), []).append(p)
-            out.extend(_Bucket(ps, dtype, ps[0].device, self._channels[self.home[ps[0]][0]])
+            out.extend(Bucket(ps, dtype, ps[0].device, self._channels[self.home[ps[0]][0]])
                        for (dtype, _), ps in split.items())
         return out
 
-    def _reduces_from_store(self, bucket: _Bucket) -> bool:
+    def _reduces_from_store(self, bucket: Bucket) -> bool:
         """Stage 1: is ``bucket`` sent straight from its gradient store? (on the CPU, where ``grad_slot`` keeps
         the gradients; in their own dtype; point to point, which only reads what it sends; no factor before
         the sum, which would have to be written somewhere)"""
@@ -208,7 +157,7 @@ class PartitionedReducer:
                 and all(p.device.type == "cpu" and p.dtype == bucket.dtype == self.grad_dtype(p)
                         for p in bucket.params))
 
-    def _pre_factor(self, channel: _Channel) -> float:
+    def _pre_factor(self, channel: Channel) -> float:
         """Multiplier applied to a bucket before the sum."""
         s = self.settings
         if not s.average:
@@ -262,7 +211,7 @@ class PartitionedReducer:
             self._launch(nxt)
             self.next_launch += 1
 
-    def _fill(self, bucket: _Bucket, i: int) -> None:
+    def _fill(self, bucket: Bucket, i: int) -> None:
         """Stage 2: copy a gradient into the next bucket's buffer as it lands and free it, so autograd's memory is
         reused by the next layer's gradient instead of going back to the OS and faulting in again every step."""
         if bucket.flat is None:
@@ -289,7 +238,7 @@ class PartitionedReducer:
         while len(self._inflight) >= limit:
             self._complete(self._inflight.popleft())
 
-    def _acquire(self, bucket: _Bucket) -> torch.Tensor:
+    def _acquire(self, bucket: Bucket) -> torch.Tensor:
         """A buffer for ``bucket``: from the pool (``contiguous_gradients``), else a fresh one."""
         if not self.settings.contiguous_gradients or bucket.numel > self.settings.bucket_numel:
             return torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
@@ -321,16 +270,16 @@ class PartitionedReducer:
                 sizes[key] = max(sizes.get(key, 0), self._staging_numel(b))
         return sizes
 
-    def _staging_numel(self, bucket: _Bucket) -> int:
+    def _staging_numel(self, bucket: Bucket) -> int:
         """A direct bucket on more than 2 ranks sums into a second half (the first receives the next peer)."""
         own = self._own_numel(bucket)
         return 2 * own if bucket.direct and bucket.channel.world > 2 else own
 
-    def _uses_exchange(self, bucket: _Bucket) -> bool:
+    def _uses_exchange(self, bucket: Bucket) -> bool:
         s = self.settings
         return s.reduce_scatter and s.use_multi_rank_bucket_allreduce and bucket.channel.p2p
 
-    def _acquire_staging(self, bucket: _Bucket) -> torch.Tensor:
+    def _acquire_staging(self, bucket: Bucket) -> torch.Tensor:
         numel = self._staging_numel(bucket)
         pool = self._staging.get((bucket.dtype, bucket.device), []) if self.settings.contiguous_gradients else []
         buf = None
@@ -347,7 +296,7 @@ class PartitionedReducer:
             return buf[:own]
         return buf
 
-    def _pack_in_place(self, bucket: _Bucket) -> bool:
+    def _pack_in_place(self, bucket: Bucket) -> bool:
         """A parameter larger than ``reduce_bucket_size`` is reduced in its own gradient tensor (no copy, no
         buffer of its size), as DeepSpeed does for extra-large parameters."""
         # stage 1 keeps the full gradient after the reduction (a second backward at the boundary adds to it and
@@ -362,7 +311,7 @@ class PartitionedReducer:
         p.grad = None
         return True
 
-    def _pack(self, bucket: _Bucket) -> None:
+    def _pack(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients (zeros for those without one) into its buffer; stage 2 frees them. A
         direct bucket's buffer is its store, where the gradients already are (a gradient held elsewhere, e.g.
         sparse, is copied in; ``param.grad`` stays as it is)."""
@@ -391,7 +340,7 @@ class PartitionedReducer:
             if self.free_grads:
                 p.grad = None
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         s = self.settings
         if not self._pass_open:
             self._pass_open = True
@@ -415,7 +364,7 @@ class PartitionedReducer:
         if not s.overlap_comm:
             self._complete(self._inflight.popleft())
 
-    def _owner_runs(self, bucket: _Bucket) -> list[tuple[int, int, int]]:
+    def _owner_runs(self, bucket: Bucket) -> list[tuple[int, int, int]]:
         """``(owner rank, start in bucket, numel)`` of the bucket's pieces, merged when contiguous (cached: the
         layout is fixed)."""
         if bucket.runs is None:
@@ -431,21 +380,21 @@ class PartitionedReducer:
             bucket.runs = runs
         return bucket.runs
 
-    def _reduce_to_owners(self, bucket: _Bucket) -> list[Any]:
+    def _reduce_to_owners(self, bucket: Bucket) -> list[Any]:
         works, channel = [], bucket.channel
         for owner, start, numel in self._owner_runs(bucket):
             works.append(self.comm.reduce(bucket.flat[start:start + numel], dst=channel.peer(owner),
                                           group=channel.group, async_op=True))
         return works
 
-    def _own_runs(self, bucket: _Bucket) -> list[tuple[int, int, int]]:
+    def _own_runs(self, bucket: Bucket) -> list[tuple[int, int, int]]:
         """The runs of ``_owner_runs`` this rank owns."""
         return [run for run in self._owner_runs(bucket) if run[0] == bucket.channel.rank]
 
-    def _own_numel(self, bucket: _Bucket) -> int:
+    def _own_numel(self, bucket: Bucket) -> int:
         return sum(numel for _, _, numel in self._own_runs(bucket))
 
-    def _exchange(self, bucket: _Bucket) -> list[Any]:
+    def _exchange(self, bucket: Bucket) -> list[Any]:
         """Point-to-point reduce-scatter: each rank sends the other owners their pieces and receives every
         rank's copy of its own into its staging buffer, one peer at a time, summed in ``_complete`` (gloo: 0.69x
         the time of an all-reduce of the bucket)."""
@@ -465,7 +414,7 @@ class PartitionedReducer:
         bucket.receives = self.comm.batch_isend_irecv(receives)
         return self.comm.batch_isend_irecv(sends) if sends else []
 
-    def _receive_ops(self, bucket: _Bucket, rank: int) -> list[dist.P2POp]:
+    def _receive_ops(self, bucket: Bucket, rank: int) -> list[dist.P2POp]:
         """Receives of channel rank ``rank``'s copies of this rank's pieces, into the staging buffer."""
         channel, ops, at = bucket.channel, [], 0
         for _, _, numel in self._own_runs(bucket):
@@ -473,7 +422,7 @@ class PartitionedReducer:
             at += numel
         return ops
 
-    def _sum_received(self, bucket: _Bucket) -> None:
+    def _sum_received(self, bucket: Bucket) -> None:
         """Add every peer's copy into this rank's pieces, in rank order (every rank's sum rounds the same way);
         a peer's copies are received once the previous peer's are added (the sends were all posted at launch, so
         no rank waits on a receive that is not yet posted). A direct bucket's sums go to ``acc`` (same operands,
@@ -498,14 +447,14 @@ class PartitionedReducer:
             bucket.receives = self.comm.batch_isend_irecv(self._receive_ops(bucket, bucket.pending.pop(0)))
         bucket.receives = []
 
-    def _release_staging(self, bucket: _Bucket) -> None:
+    def _release_staging(self, bucket: Bucket) -> None:
         """Return the staging buffer (and a direct bucket's ``acc``, which lives in it) once its sums are read."""
         if bucket.staged:
             base = bucket.staging._base if bucket.staging._base is not None else bucket.staging
             self._staging.setdefault((bucket.dtype, bucket.device), []).append(base)
         bucket.staging, bucket.staged, bucket.acc = None, False, None
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s collective, add this rank's slices into the partitions, release the buffer."""
         if bucket.staging is not None:
             self._sum_received(bucket)
@@ -557,7 +506,7 @@ class PartitionedReducer:
             raise UnusedParametersError(f"ZeRO stage 2: {here} in this backward; set zero_optimization."
                                         "ignore_unused_parameters to true to allow unused parameters")
 
-    def _own_slices(self, bucket: _Bucket) -> list[tuple[int, int, int, int]]:
+    def _own_slices(self, bucket: Bucket) -> list[tuple[int, int, int, int]]:
         """``(group, partition offset, bucket offset, numel)`` of the pieces this rank owns (cached: the layout
         is fixed, and this runs after every bucket's reduction)."""
         if bucket.own is None:
@@ -569,7 +518,7 @@ class PartitionedReducer:
                                   for owner, frag in fg.layout.owners(j) if owner == fg.rank)
         return bucket.own
 
-    def _write_back(self, bucket: _Bucket) -> None:
+    def _write_back(self, bucket: Bucket) -> None:
         dsts, srcs = [], []
         at = 0  # a direct bucket's sums: this rank's pieces back to back in ``acc``, in bucket order
         for g, part_offset, offset, numel in self._own_slices(bucket):
