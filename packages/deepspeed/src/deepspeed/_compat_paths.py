@@ -123,8 +123,6 @@ NOT_BUILT: dict[str, str] = {
     "deepspeed.runtime.hybrid_engine_graph": "CUDA-graph capture of the hybrid engine's token generation "
                                              "(deepspeed.runtime.hybrid_engine_graph)",
     # paths DeepSpeed 0.19.6's own unit tests import (docs/upstream-tests.md)
-    "deepspeed.sequence.fpdt_layer": "FPDT, the fully pipelined distributed transformer (chunked, offloaded "
-                                     "Ulysses attention)",
     "deepspeed.ops.triton_ops": "the Triton kernels (deepspeed.ops.triton_ops)",
     "deepspeed.ops.sparse_attention.matmul": "the Triton block-sparse kernels (sparse_attention.matmul.MatMul, "
                                              "sparse_attention.softmax.Softmax)",
