@@ -10,7 +10,6 @@ typed ``scheduler`` config section into a schedule.
 from __future__ import annotations
 
 import abc
-import argparse
 import math
 import numbers
 import warnings
@@ -19,51 +18,62 @@ from typing import Any
 
 import torch
 
+from deepspeed.runtime.lr_schedule_cli import (
+    add_tuning_arguments,
+    get_config_from_args,
+    get_lr_from_config,
+    parse_arguments,
+)
+from deepspeed.runtime.lr_schedule_keys import (
+    COS_MIN_RATIO,
+    CYCLE_FIRST_STAIR_COUNT,
+    CYCLE_FIRST_STEP_SIZE,
+    CYCLE_MAX_LR,
+    CYCLE_MAX_MOM,
+    CYCLE_MIN_LR,
+    CYCLE_MIN_MOM,
+    CYCLE_SECOND_STAIR_COUNT,
+    CYCLE_SECOND_STEP_SIZE,
+    DECAY_LR_RATE,
+    DECAY_MOM_RATE,
+    DECAY_STEP_SIZE,
+    EDGE_VALUE,
+    LAST_BATCH_ITERATION,
+    LR_RANGE_TEST,
+    LR_RANGE_TEST_MIN_LR,
+    LR_RANGE_TEST_STAIRCASE,
+    LR_RANGE_TEST_STEP_RATE,
+    LR_RANGE_TEST_STEP_SIZE,
+    LR_SCHEDULE,
+    MID_VALUE,
+    ONE_CYCLE,
+    TOTAL_NUM_STEPS,
+    VALID_LR_SCHEDULES,
+    WARMUP_COSINE_LR,
+    WARMUP_DECAY_LR,
+    WARMUP_LINEAR_RATE,
+    WARMUP_LOG_RATE,
+    WARMUP_LR,
+    WARMUP_MAX_LR,
+    WARMUP_MIN_LR,
+    WARMUP_MIN_RATIO,
+    WARMUP_NUM_STEPS,
+    WARMUP_TYPE,
+    WARMUP_TYPES,
+)
 from ds_config import ConfigError, ConfigProblem
 
-LR_SCHEDULE = "lr_schedule"
-LR_RANGE_TEST = "LRRangeTest"
-ONE_CYCLE = "OneCycle"
-WARMUP_LR = "WarmupLR"
-WARMUP_DECAY_LR = "WarmupDecayLR"
-WARMUP_COSINE_LR = "WarmupCosineLR"
-VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
-
-LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
-LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
-LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
-LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
-
-EDGE_VALUE = "edge_value"
-MID_VALUE = "mid_value"
-
-CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
-CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
-CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
-CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
-DECAY_STEP_SIZE = "decay_step_size"
-
-CYCLE_MIN_LR = "cycle_min_lr"
-CYCLE_MAX_LR = "cycle_max_lr"
-DECAY_LR_RATE = "decay_lr_rate"
-
-CYCLE_MIN_MOM = "cycle_min_mom"
-CYCLE_MAX_MOM = "cycle_max_mom"
-DECAY_MOM_RATE = "decay_mom_rate"
-
-WARMUP_MIN_LR = "warmup_min_lr"
-WARMUP_MAX_LR = "warmup_max_lr"
-WARMUP_NUM_STEPS = "warmup_num_steps"
-WARMUP_TYPE = "warmup_type"
-WARMUP_LOG_RATE = "log"
-WARMUP_LINEAR_RATE = "linear"
-WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
-
-WARMUP_MIN_RATIO = "warmup_min_ratio"
-COS_MIN_RATIO = "cos_min_ratio"
-
-TOTAL_NUM_STEPS = "total_num_steps"
-LAST_BATCH_ITERATION = "last_batch_iteration"
+__all__ = [
+    "COS_MIN_RATIO", "CYCLE_FIRST_STAIR_COUNT", "CYCLE_FIRST_STEP_SIZE", "CYCLE_MAX_LR", "CYCLE_MAX_MOM",
+    "CYCLE_MIN_LR", "CYCLE_MIN_MOM", "CYCLE_SECOND_STAIR_COUNT", "CYCLE_SECOND_STEP_SIZE", "DECAY_LR_RATE",
+    "DECAY_MOM_RATE", "DECAY_STEP_SIZE", "EDGE_VALUE", "LAST_BATCH_ITERATION", "LRRangeTest", "LR_RANGE_TEST",
+    "LR_RANGE_TEST_MIN_LR", "LR_RANGE_TEST_STAIRCASE", "LR_RANGE_TEST_STEP_RATE", "LR_RANGE_TEST_STEP_SIZE",
+    "LR_SCHEDULE", "MID_VALUE", "ONE_CYCLE", "OneCycle", "TOTAL_NUM_STEPS", "VALID_LR_SCHEDULES",
+    "WARMUP_COSINE_LR", "WARMUP_DECAY_LR", "WARMUP_LINEAR_RATE", "WARMUP_LOG_RATE", "WARMUP_LR", "WARMUP_MAX_LR",
+    "WARMUP_MIN_LR", "WARMUP_MIN_RATIO", "WARMUP_NUM_STEPS", "WARMUP_TYPE", "WARMUP_TYPES", "WarmupCosineLR",
+    "WarmupDecayLR", "WarmupLR", "add_tuning_arguments", "build_lr_scheduler", "get_config_from_args",
+    "get_lr_from_config", "get_torch_optimizer", "parse_arguments", "update_lr",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -544,74 +554,3 @@ def build_lr_scheduler(section: Any, optimizer: Any) -> Any:
         return schedule_class(torch_optimizer, **params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(ConfigProblem("scheduler.params", f"{section.type}: {exc}")) from exc
-
-
-# ----------------------------------------------------------------------------------------------------------
-# DeepSpeed's command-line side (``deepspeed.add_tuning_arguments``): the ``--lr_schedule`` flags with DeepSpeed's
-# defaults, and the ``scheduler`` config a parsed namespace stands for
-
-# (flag, type, default, which schedule reads it)
-_FLAGS: list[tuple[str, type, Any, str]] = [
-    (LR_RANGE_TEST_MIN_LR, float, 0.001, LR_RANGE_TEST),
-    (LR_RANGE_TEST_STEP_RATE, float, 1.0, LR_RANGE_TEST),
-    (LR_RANGE_TEST_STEP_SIZE, int, 1000, LR_RANGE_TEST),
-    (LR_RANGE_TEST_STAIRCASE, bool, False, LR_RANGE_TEST),
-    (CYCLE_FIRST_STEP_SIZE, int, 1000, ONE_CYCLE),
-    (CYCLE_FIRST_STAIR_COUNT, int, -1, ONE_CYCLE),
-    (CYCLE_SECOND_STEP_SIZE, int, -1, ONE_CYCLE),
-    (CYCLE_SECOND_STAIR_COUNT, int, -1, ONE_CYCLE),
-    (DECAY_STEP_SIZE, int, 1000, ONE_CYCLE),
-    (CYCLE_MIN_LR, float, 0.01, ONE_CYCLE),
-    (CYCLE_MAX_LR, float, 0.1, ONE_CYCLE),
-    (DECAY_LR_RATE, float, 0.0, ONE_CYCLE),
-    (CYCLE_MIN_MOM, float, 0.8, ONE_CYCLE),
-    (CYCLE_MAX_MOM, float, 0.9, ONE_CYCLE),
-    (DECAY_MOM_RATE, float, 0.0, ONE_CYCLE),
-    (WARMUP_MIN_LR, float, 0, "warmup"),
-    (WARMUP_MAX_LR, float, 0.001, "warmup"),
-    (WARMUP_NUM_STEPS, int, 1000, "warmup"),
-    (WARMUP_TYPE, str, WARMUP_LOG_RATE, "warmup"),
-]
-
-
-def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's "Convergence Tuning" flags (``--lr_schedule`` and each schedule's parameters)."""
-    group = parser.add_argument_group("Convergence Tuning", "Convergence tuning configurations")
-    group.add_argument(f"--{LR_SCHEDULE}", type=str, default=None, help="LR schedule for training.")
-    for name, kind, default, schedule in _FLAGS:
-        group.add_argument(f"--{name}", type=kind, default=default, help=f"{schedule} parameter {name}.")
-    return parser
-
-
-def parse_arguments() -> tuple[argparse.Namespace, list[str]]:
-    """The tuning flags of ``sys.argv`` (unknown flags are returned, not rejected)."""
-    return add_tuning_arguments(argparse.ArgumentParser()).parse_known_args()
-
-
-def get_config_from_args(args: Any) -> tuple[dict[str, Any] | None, str | None]:
-    """``({"type": ..., "params": {...}}, None)`` for ``--lr_schedule``, or ``(None, why)``."""
-    schedule = getattr(args, LR_SCHEDULE, None)
-    if schedule is None:
-        return None, f"--{LR_SCHEDULE} not specified on command line"
-    if schedule not in VALID_LR_SCHEDULES:
-        return None, f"{schedule} is not supported LR schedule"
-    family = schedule if schedule in (LR_RANGE_TEST, ONE_CYCLE) else "warmup"
-    params = {name: getattr(args, name) for name, _, _, owner in _FLAGS
-              if owner == family and getattr(args, name, None) is not None}
-    return {"type": schedule, "params": params}, None
-
-
-def get_lr_from_config(config: dict[str, Any]) -> tuple[float | None, str]:
-    """The learning rate a schedule config starts from (range test: its min, OneCycle: its max, warmup: its max)."""
-    if "type" not in config:
-        return None, "LR schedule type not defined in config"
-    if "params" not in config:
-        return None, "LR schedule params not defined in config"
-    schedule, params = config["type"], config["params"]
-    if schedule not in VALID_LR_SCHEDULES:
-        return None, f"{schedule} is not a valid LR schedule"
-    if schedule == LR_RANGE_TEST:
-        return params[LR_RANGE_TEST_MIN_LR], ""
-    if schedule == ONE_CYCLE:
-        return params[CYCLE_MAX_LR], ""
-    return params[WARMUP_MAX_LR], ""
