@@ -24,8 +24,7 @@ from deepspeed.checkpoint.constants import (
     AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY,
     AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT,
 )
-
-PARTITION_GROUPS = "ds_zero_partition_groups"
+from ds_zero.zero3.checkpoint import PARTITION_GROUPS
 
 
 def uses_partitioned_experts(sections: Sequence[Mapping[str, Any]]) -> bool:
