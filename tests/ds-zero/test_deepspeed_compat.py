@@ -122,7 +122,7 @@ def _stage3_files(case: str) -> tuple[list[dict], list[dict]]:
     """(model-states dict, optimizer-states dict) of each rank: the loss scalers as deepspeed's own classes (its
     checkpointing allows them in weights-only loads), DeepSpeed's other classes as inert placeholders."""
     import deepspeed.runtime.checkpointing.serialize  # noqa: F401  (allows the loss scalers, process-wide)
-    from ds_zero.zero_to_fp32 import _load
+    from ds_zero.zero_to_fp32 import load_checkpoint_file as _load
 
     tag_dir = os.path.join(FIXTURES, case, mf.TAG)
     prefix = "bf16_" if "bf16" in case else ""
@@ -322,7 +322,8 @@ def _save_keeping_classes(obj, path: str, stubs: dict[tuple[str, str], type]) ->
 def _plain_copy(case: str, dest: str, keep: str | None = None) -> str:
     """The fixture with every difference in ``DIFFERENCES`` but ``keep`` converted away: DeepSpeed's pickled
     classes replaced by plain values, the last rank's fp32 partition padded, the ``bf16_`` prefix dropped."""
-    from ds_zero.zero_to_fp32 import _load  # reads the files with inert placeholders for DeepSpeed's classes
+    # reads the files with inert placeholders for DeepSpeed's classes
+    from ds_zero.zero_to_fp32 import load_checkpoint_file as _load
 
     shutil.copytree(os.path.join(FIXTURES, case), dest)
     tag_dir = os.path.join(dest, mf.TAG)

@@ -52,7 +52,7 @@ def test_real_deepspeed_checkpoints(case):
     # the files really are what their names say: each optimizer file is one of 2 partitions (read with the
     # converter's own loader, which stands in for the DeepSpeed classes these files pickle)
     for path in want_optim:
-        count = z2f._load(path)["optimizer_state_dict"]["partition_count"]
+        count = z2f.load_checkpoint_file(path)["optimizer_state_dict"]["partition_count"]
         assert set(count if isinstance(count, list) else [count]) == {2}
 
 

@@ -14,7 +14,7 @@ _PROBE = """
 import sys
 if sys.argv[2] == "allowed":
     import deepspeed.runtime.checkpointing.serialize
-from ds_zero.zero_to_fp32 import _load
+from ds_zero.zero_to_fp32 import load_checkpoint_file as _load
 print(type(_load(sys.argv[1])["optimizer_state_dict"]["loss_scaler"]).__name__)
 """
 

@@ -16,6 +16,34 @@ import torch.distributed as dist
 
 from ds_moe.rank_lists import expert_and_data_parallel_ranks, expert_parallel_ranks_with_mpu
 
+# Ours: what the AutoEP wiring (ds_moe.autoep) needs; the underscored names below are DeepSpeed's own spelling of
+# its expert-group API (``deepspeed.utils.groups`` forwards them), public in spite of the underscore.
+__all__ = [
+    "expert_tensor_parallel_world_size",
+    "mpu",
+    "register_expert_groups",
+    "require_initialized",
+    "tensor_parallel_size",
+    "_create_expert_and_data_parallel",
+    "_create_expert_data_and_model_parallel",
+    "_get_expert_broadcast_src_rank",
+    "_get_expert_data_parallel_group",
+    "_get_expert_data_parallel_group_dict",
+    "_get_expert_data_parallel_group_ranks",
+    "_get_expert_data_parallel_rank",
+    "_get_expert_data_parallel_world_size",
+    "_get_expert_model_parallel_world_size",
+    "_get_expert_parallel_group",
+    "_get_expert_parallel_group_dict",
+    "_get_expert_parallel_group_ranks",
+    "_get_expert_parallel_rank",
+    "_get_expert_parallel_src_rank",
+    "_get_expert_parallel_world_size",
+    "_get_max_expert_parallel_group",
+    "_get_max_expert_size",
+    "_get_max_expert_size_name",
+]
+
 mpu: Any = None  # Megatron-style model-parallel unit, set by the engine when the user passes one
 expert_tensor_parallel_world_size = 1  # tensor-parallel degree of the experts themselves
 
@@ -42,7 +70,8 @@ def _sync_with_default_group() -> None:
         _OWNER[0] = current
 
 
-def _require_initialized() -> None:
+def require_initialized() -> None:
+    """Raise unless torch.distributed is initialised; forget groups cached under an earlier default group."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("expert process groups need torch.distributed: call init_process_group first")
     _sync_with_default_group()
@@ -59,12 +88,15 @@ def _pipeline_size(unit: Any) -> int:
     return _mpu_size(unit, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
 
 
-def _tensor_size(unit: Any) -> int:
+def tensor_parallel_size(unit: Any) -> int:
+    """The tensor-parallel size of a Megatron-style ``mpu`` (1 for ``None`` or one without a tensor API)."""
     return _mpu_size(unit, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
 
 
-def _register(name: str, ep_groups: list[list[int]], edp_groups: list[list[int]], edp_first: bool) -> None:
-    """``new_group`` for every listed group (all ranks, same order); keep the ones holding this rank."""
+def register_expert_groups(name: str, ep_groups: list[list[int]], edp_groups: list[list[int]], edp_first: bool) -> None:
+    """``new_group`` for every listed group (all ranks, same order); keep the ones holding this rank (under
+    ``name``; a table that already holds ``name`` is left as it is)."""
+    require_initialized()
     rank = dist.get_rank()
     tables = [(ep_groups, _EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS),
               (edp_groups, _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_RANKS)]
@@ -81,25 +113,25 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
                                      pp_size: int | None = None, mp_mode: str = "tp",
                                      use_data_before_expert_parallel_: bool = False) -> None:
     """Create the ``ep_size_<n>`` groups (no-op for the ones that exist). ``pp_size`` None: from ``mpu``."""
-    _require_initialized()
+    require_initialized()
     ep_groups, edp_groups = expert_and_data_parallel_ranks(
         dist.get_world_size(), expert_parallel_size_, _pipeline_size(mpu) if pp_size is None else pp_size,
         1 if mp_size is None else mp_size, mp_mode, use_data_before_expert_parallel_)
-    _register(f"ep_size_{expert_parallel_size_}", ep_groups, edp_groups, edp_first=(mp_size or 1) <= 1)
+    register_expert_groups(f"ep_size_{expert_parallel_size_}", ep_groups, edp_groups, edp_first=(mp_size or 1) <= 1)
 
 
 def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
                                            use_data_before_expert_parallel_: bool = False) -> None:
     """Create the ``ep_size_<n>`` groups for experts that are themselves tensor-parallel over ``mpu``."""
     global expert_tensor_parallel_world_size
-    _require_initialized()
-    tp, pp, world = _tensor_size(mpu), _pipeline_size(mpu), dist.get_world_size()
+    require_initialized()
+    tp, pp, world = tensor_parallel_size(mpu), _pipeline_size(mpu), dist.get_world_size()
     ep_groups, edp_groups = expert_parallel_ranks_with_mpu(world, tp, expert_parallel_size_, pp,
                                                            use_data_before_expert_parallel_)
     expert_tensor_parallel_world_size = tp
     name = f"ep_size_{expert_parallel_size_}"
     if name not in _EXPERT_PARALLEL_GROUP and name not in _EXPERT_DATA_PARALLEL_GROUP:
-        _register(name, ep_groups, edp_groups, edp_first=False)
+        register_expert_groups(name, ep_groups, edp_groups, edp_first=False)
 
 
 def _lookup(table: dict, name: str, what: str) -> Any:

@@ -254,7 +254,7 @@ class ZeroCheckpointShards:
         except Exception as exc:
             if type(exc).__name__ != "UnsafeCheckpointError":
                 raise
-            from ds_zero.zero_to_fp32 import _load as load_with_placeholders
+            from ds_zero.zero_to_fp32 import load_checkpoint_file as load_with_placeholders
 
             obj = load_with_placeholders(os.path.join(ctx.tag_dir, name))
         return _plain_state(_optimizer_state(obj, name, ctx.tag_dir))
@@ -348,7 +348,7 @@ def _read_plain(ctx: Any, load: Callable[[str], Any], name: str) -> Any:
     except Exception as exc:  # DeepSpeed's own files may pickle its classes: read as inert placeholders
         if type(exc).__name__ != "UnsafeCheckpointError":
             raise
-        from ds_zero.zero_to_fp32 import _load as load_with_placeholders
+        from ds_zero.zero_to_fp32 import load_checkpoint_file as load_with_placeholders
 
         return load_with_placeholders(os.path.join(ctx.tag_dir, name))
 

@@ -44,13 +44,24 @@ __all__ = [
     "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
     "main",
+    # the reader the Universal Checkpoint converters (deepspeed.checkpoint) share with this script
+    "MODEL_STATES_RE",
+    "OPTIM_STATES_RE",
+    "FlatVector",
+    "fp32_groups",
+    "load_checkpoint_file",
+    "optimizer_section",
+    "read_param_shapes",
+    "stage_and_world",
+    "trainable_stage12",
+    "trainable_stage3",
 ]
 
 logger = logging.getLogger("zero_to_fp32")
 
 LATEST_FILE = "latest"
-_MODEL_STATES_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_OPTIM_STATES_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL_STATES_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _BLOCKED_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -115,7 +126,7 @@ def _allowed_globals() -> set[str]:
     return {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}" for entry in entries}
 
 
-def _load(path: str) -> Any:
+def load_checkpoint_file(path: str) -> Any:
     """``torch.load`` with mmap and weights_only; unknown pickled classes become inert placeholders."""
     while True:
         allowed = _allowed_globals()
@@ -140,7 +151,7 @@ def _as_int(value: Any, what: str, path: str) -> int:
 # ------------------------------------------------------------------------------------------ lazy tensors
 
 
-class _FlatVector:
+class FlatVector:
     """Several 1-D tensors read as one vector without concatenating them (no copy)."""
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
@@ -176,7 +187,7 @@ class LazyTensor:
     """
 
     def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype,
-                 spans: list[tuple[_FlatVector, int, int]]) -> None:
+                 spans: list[tuple[FlatVector, int, int]]) -> None:
         self.name, self.shape, self.dtype, self.spans = name, torch.Size(shape), dtype, spans
 
     def numel(self) -> int:
@@ -217,7 +228,7 @@ def _whole(name: str, shape: Any, tensor: torch.Tensor, path: str) -> LazyTensor
     if tensor.numel() != math.prod(shape):
         raise ZeroToFp32Error(f"{path}: {name!r} holds {tensor.numel()} values but its shape {tuple(shape)} "
                               f"needs {math.prod(shape)}")
-    return LazyTensor(name, shape, _out_dtype(tensor.dtype), [(_FlatVector([tensor]), 0, tensor.numel())])
+    return LazyTensor(name, shape, _out_dtype(tensor.dtype), [(FlatVector([tensor]), 0, tensor.numel())])
 
 
 # ------------------------------------------------------------------------------------- checkpoint files
@@ -231,7 +242,7 @@ def _tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> str:
         latest = os.path.join(checkpoint_dir, LATEST_FILE)
         if not os.path.isfile(latest):
             hint = ("; it looks like a tag folder itself: pass its parent as checkpoint_dir and its name as tag"
-                    if any(_OPTIM_STATES_RE.match(name) for name in os.listdir(checkpoint_dir)) else "")
+                    if any(OPTIM_STATES_RE.match(name) for name in os.listdir(checkpoint_dir)) else "")
             raise FileNotFoundError(f"no tag given and no '{LATEST_FILE}' file at {latest}: pass tag= (e.g. "
                                     f"'global_step14'), or point checkpoint_dir at the folder holding the tag "
                                     f"folders{hint}")
@@ -280,14 +291,16 @@ def get_model_state_files(checkpoint_dir: str | os.PathLike) -> list[str]:
     return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
-def _optimizer_section(state: Any, path: str) -> Mapping[str, Any]:
+def optimizer_section(state: Any, path: str) -> Mapping[str, Any]:
+    """The ``optimizer_state_dict`` of a ZeRO optimizer-states file (``path`` names it in errors)."""
     section = state.get("optimizer_state_dict") if isinstance(state, Mapping) else None
     if not isinstance(section, Mapping):
         raise ZeroToFp32Error(f"{path}: no 'optimizer_state_dict' dict; not a ZeRO optimizer-states file")
     return section
 
 
-def _stage_and_world(section: Mapping[str, Any], path: str) -> tuple[int, int]:
+def stage_and_world(section: Mapping[str, Any], path: str) -> tuple[int, int]:
+    """(ZeRO stage, data-parallel world size) an ``optimizer_state_dict`` section was written with."""
     if "zero_stage" in section:
         stage = _as_int(section["zero_stage"], "'zero_stage'", path)
     else:  # DeepSpeed's bf16 optimizer writes no stage; its layout is stage 1's
@@ -301,7 +314,8 @@ def _stage_and_world(section: Mapping[str, Any], path: str) -> tuple[int, int]:
     return stage, max(_as_int(c, "'partition_count'", path) for c in counts)
 
 
-def _fp32_groups(section: Mapping[str, Any], stage: int, path: str) -> list[torch.Tensor]:
+def fp32_groups(section: Mapping[str, Any], stage: int, path: str) -> list[torch.Tensor]:
+    """A rank's flat fp32 partition of each param group."""
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     groups = section.get(key)
     if not isinstance(groups, (list, tuple)) or not all(isinstance(g, torch.Tensor) for g in groups):
@@ -319,13 +333,13 @@ def _mics_replicas(ranks: Any, world: int) -> bool:
 
 def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tensor]]]:
     """(zero stage, data-parallel world size, per rank: its fp32 partition of each param group)."""
-    files = _rank_files(tag_dir, _OPTIM_STATES_RE)
+    files = _rank_files(tag_dir, OPTIM_STATES_RE)
     if not files:
         raise ZeroToFp32Error(f"{tag_dir}: no zero_pp_rank_<r>_mp_rank_00_optim_states.pt files; this is not a "
                               "ZeRO (stage 1-3) checkpoint, whose weights are already whole in the model-states file")
     first = files[min(files)]
-    loaded = {min(files): _optimizer_section(_load(first), first)}
-    stage, world = _stage_and_world(loaded[min(files)], first)
+    loaded = {min(files): optimizer_section(load_checkpoint_file(first), first)}
+    stage, world = stage_and_world(loaded[min(files)], first)
     missing = sorted(set(range(world)) - set(files))
     extra = sorted(set(files) - set(range(world)))
     if extra and _mics_replicas(files, world):  # MiCS: the other shard groups' files replicate ranks 0..world-1
@@ -337,12 +351,12 @@ def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tenso
             f"ranks {extra}); a rank failed to save or an older checkpoint was partly overwritten")
     partitions = []
     for rank in range(world):
-        section = loaded.pop(rank, None) or _optimizer_section(_load(files[rank]), files[rank])
-        found = _stage_and_world(section, files[rank])
+        section = loaded.pop(rank, None) or optimizer_section(load_checkpoint_file(files[rank]), files[rank])
+        found = stage_and_world(section, files[rank])
         if found != (stage, world):
             raise ZeroToFp32Error(f"{files[rank]}: (zero stage, partition count) is {found}, but {first} "
                                   f"says {(stage, world)}")
-        partitions.append(_fp32_groups(section, stage, files[rank]))
+        partitions.append(fp32_groups(section, stage, files[rank]))
         if len(partitions[-1]) != len(partitions[0]):
             raise ZeroToFp32Error(f"{files[rank]}: {len(partitions[-1])} param groups, but {first} has "
                                   f"{len(partitions[0])}")
@@ -351,7 +365,7 @@ def _read_optimizer_files(tag_dir: str) -> tuple[int, int, list[list[torch.Tenso
 
 def _read_model_states(tag_dir: str, stage: int, world: int) -> list[tuple[str, Mapping[str, Any]]]:
     """[(path, model-states dict)]: one file for stage 1/2; stage 3 may have one per rank."""
-    files = _rank_files(tag_dir, _MODEL_STATES_RE)
+    files = _rank_files(tag_dir, MODEL_STATES_RE)
     ranked = sorted(rank for rank in files if rank is not None)
     if stage == 3 and ranked:
         if ranked != list(range(world)) and not _mics_replicas(ranked, world):
@@ -370,7 +384,7 @@ def _read_model_states(tag_dir: str, stage: int, world: int) -> list[tuple[str, 
 
 
 def _load_dict(path: str) -> Mapping[str, Any]:
-    state = _load(path)
+    state = load_checkpoint_file(path)
     if not isinstance(state, Mapping):
         raise ZeroToFp32Error(f"{path}: expected a dict, found {type(state).__name__}")
     _raise_if_autoep_zero3_partitioned_state(state, path)
@@ -409,7 +423,8 @@ def parse_model_states(files: list[str]) -> list[dict[str, Any]]:
         names = set(state["buffer_names"] or [])
         module = state.get("module") or {}
         out.append({"buffers": {k: v.float() for k, v in module.items() if k in names},
-                    "param_shapes": _param_groups(state, path), "shared_params": dict(state.get("shared_params") or {}),
+                    "param_shapes": read_param_shapes(state, path),
+                    "shared_params": dict(state.get("shared_params") or {}),
                     "ds_version": state.get("ds_version"),
                     "frozen_param_shapes": state.get("frozen_param_shapes"),
                     "frozen_param_fragments": state.get("frozen_param_fragments")})
@@ -424,14 +439,15 @@ def _needs_rank_files(main: Mapping[str, Any]) -> bool:
     groups = [shapes] if isinstance(shapes, Mapping) else shapes if isinstance(shapes, (list, tuple)) else []
     try:
         return any(math.prod(shape) == 0 for group in groups for shape in group.values())
-    except (AttributeError, TypeError):  # malformed: read them all, _param_groups names the problem
+    except (AttributeError, TypeError):  # malformed: read them all, read_param_shapes names the problem
         return True
 
 
 # ------------------------------------------------------------------------------------- reconstruction
 
 
-def _param_groups(model_state: Mapping[str, Any], path: str) -> list[Mapping[str, Any]]:
+def read_param_shapes(model_state: Mapping[str, Any], path: str) -> list[Mapping[str, Any]]:
+    """A model-states dict's ``param_shapes``: one ``{name: shape}`` per optimizer param group."""
     shapes = model_state.get("param_shapes")
     if isinstance(shapes, Mapping):
         shapes = [shapes]
@@ -441,7 +457,7 @@ def _param_groups(model_state: Mapping[str, Any], path: str) -> list[Mapping[str
     return list(shapes)
 
 
-def _trainable_stage12(shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor]],
+def trainable_stage12(shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor]],
                        world: int, path: str) -> dict[str, LazyTensor]:
     """Each group's flat fp32 vector is the ranks' partitions end to end; params follow in shape order."""
     if len(shapes) != len(partitions[0]):
@@ -450,7 +466,7 @@ def _trainable_stage12(shapes: list[Mapping[str, Any]], partitions: list[list[to
     align = 2 * world
     out: dict[str, LazyTensor] = {}
     for index, group in enumerate(shapes):
-        vector = _FlatVector([rank_groups[index] for rank_groups in partitions])
+        vector = FlatVector([rank_groups[index] for rank_groups in partitions])
         total = sum(math.prod(shape) for shape in group.values())
         padded = align * math.ceil(total / align)
         if total > vector.numel or align * math.ceil(vector.numel / align) != padded:
@@ -467,10 +483,10 @@ def _trainable_stage12(shapes: list[Mapping[str, Any]], partitions: list[list[to
     return out
 
 
-def _trainable_stage3(shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor]],
+def trainable_stage3(shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor]],
                       world: int) -> dict[str, LazyTensor]:
     """Stage 3: every param is split in ``ceil(numel / world)`` slices, one per rank, at the same offset."""
-    vectors = [_FlatVector(rank_groups) for rank_groups in partitions]
+    vectors = [FlatVector(rank_groups) for rank_groups in partitions]
     if len({vector.numel for vector in vectors}) != 1:
         raise ZeroToFp32Error(f"stage 3: rank partitions differ in size: {[v.numel for v in vectors]}")
     out: dict[str, LazyTensor] = {}
@@ -503,7 +519,7 @@ def _frozen(states: list[tuple[str, Mapping[str, Any]]], stage: int, world: int)
                 if short:
                     raise ZeroToFp32Error(f"frozen parameter {name!r} {tuple(shape)}: the fragments in {short} hold "
                                           f"fewer than the {part} values each of the {world} ranks should hold")
-                spans = [(_FlatVector([fragment]), 0, part) for _, fragment in fragments]
+                spans = [(FlatVector([fragment]), 0, part) for _, fragment in fragments]
                 out[name] = LazyTensor(name, shape, _out_dtype(fragments[0][1].dtype), spans)
             else:
                 out[name] = _whole(name, shape, fragments[0][1], fragments[0][0])
@@ -561,13 +577,13 @@ def _lazy_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None,
     path, main = states[0]
     logger.info("Detected checkpoint of type zero stage %d, world_size: %d, written by deepspeed==%s",
                 stage, world, main.get("ds_version"))
-    shapes = _param_groups(main, path)
+    shapes = read_param_shapes(main, path)
     _refuse_emptied_shapes(states, shapes)
     entries = dict(_buffers(main, path))
     if not exclude_frozen_parameters:
         entries.update(_frozen(states, stage, world))
-    trainable = (_trainable_stage3(shapes, partitions, world) if stage == 3
-                 else _trainable_stage12(shapes, partitions, world, path))
+    trainable = (trainable_stage3(shapes, partitions, world) if stage == 3
+                 else trainable_stage12(shapes, partitions, world, path))
     clash = sorted(set(entries) & set(trainable))
     if clash:
         raise ZeroToFp32Error(f"{path}: names listed both as trainable and as frozen params or buffers: {clash}")

@@ -62,7 +62,7 @@ def _mp_ranks(tag_dir: str) -> list[int]:
     """The model-parallel ranks (pipeline stages) that wrote optimizer files."""
     from ds_zero import zero_to_fp32 as z
 
-    ranks = {int(m.group(2)) for m in map(z._OPTIM_STATES_RE.match, os.listdir(tag_dir)) if m is not None}
+    ranks = {int(m.group(2)) for m in map(z.OPTIM_STATES_RE.match, os.listdir(tag_dir)) if m is not None}
     return sorted(ranks)
 
 
@@ -70,29 +70,29 @@ def _rank_sections(tag_dir: str, mp_rank: int = 0) -> tuple[int, int, list[Mappi
     """(stage, world, every rank's memory-mapped ``optimizer_state_dict``, the files) of one model-parallel rank."""
     from ds_zero import zero_to_fp32 as z
 
-    files = _files_of_mp_rank(tag_dir, z._OPTIM_STATES_RE, mp_rank)
+    files = _files_of_mp_rank(tag_dir, z.OPTIM_STATES_RE, mp_rank)
     if not files:
         raise UniversalConversionError(f"{tag_dir}: no zero_pp_rank_<r>_mp_rank_{mp_rank:02d}_optim_states.pt files; "
                                        "only ZeRO stage 1/2/3 checkpoint tag folders can be converted")
     first = files[min(files)]
-    section = z._optimizer_section(z._load(first), first)
+    section = z.optimizer_section(z.load_checkpoint_file(first), first)
     if "partition_count" not in section and ("fp32_flat_groups" in section or section.get("zero_stage") == 3):
         stage, world = 3, len(files)  # a ZeRO-3 state may omit it: one file per data-parallel rank
     else:
-        stage, world = z._stage_and_world(section, first)
+        stage, world = z.stage_and_world(section, first)
     missing = sorted(set(range(world)) - set(files))
     if missing:
         raise UniversalConversionError(f"{tag_dir}: written by {world} data-parallel ranks but the optimizer files "
                                        f"of ranks {missing} (mp_rank {mp_rank:02d}) are missing")
     paths = [files[r] for r in range(world)]
-    return stage, world, [z._optimizer_section(z._load(p), p) for p in paths], paths
+    return stage, world, [z.optimizer_section(z.load_checkpoint_file(p), p) for p in paths], paths
 
 
 def _group_states(section: Mapping[str, Any], stage: int, path: str) -> tuple[list[torch.Tensor], dict[str, list]]:
     """One rank's fp32 partitions and {state key: per-group partitions}, plus per-group ``step`` values."""
     from ds_zero import zero_to_fp32 as z
 
-    fp32 = z._fp32_groups(section, stage, path)
+    fp32 = z.fp32_groups(section, stage, path)
     base = section.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") or {}
     state = base.get("state") or {}
     out: dict[str, list] = {"exp_avg": [], "exp_avg_sq": [], "step": []}
@@ -117,8 +117,8 @@ def _lazy_states(stage: int, world: int, sections: Sequence[Mapping[str, Any]], 
             parts = [states[key] for _, states in per_rank]
             if any(t is None for rank in parts for t in rank):
                 continue  # not Adam-like (or never stepped): DeepSpeed's layout has no such files then
-        lazy[key] = (z._trainable_stage3(shapes, parts, world) if stage == 3
-                     else z._trainable_stage12(shapes, parts, world, shapes_path))
+        lazy[key] = (z.trainable_stage3(shapes, parts, world) if stage == 3
+                     else z.trainable_stage12(shapes, parts, world, shapes_path))
     steps = {g: s for g, s in enumerate(per_rank[0][1]["step"]) if s is not None}
     return lazy, steps
 
@@ -126,7 +126,7 @@ def _lazy_states(stage: int, world: int, sections: Sequence[Mapping[str, Any]], 
 def _model_state_files(tag_dir: str, stage: int, mp_rank: int = 0) -> list[str]:
     from ds_zero import zero_to_fp32 as z
 
-    files = _files_of_mp_rank(tag_dir, z._MODEL_STATES_RE, mp_rank)
+    files = _files_of_mp_rank(tag_dir, z.MODEL_STATES_RE, mp_rank)
     if stage == 3 and any(r is not None for r in files):
         return [files[r] for r in sorted(r for r in files if r is not None)]
     if None not in files:

@@ -48,7 +48,7 @@ def autoep_layers_of(tag_dir: str) -> Any:
     from ds_zero import zero_to_fp32 as z
 
     path = os.path.join(tag_dir, _model_states_name(0))
-    return z._load(path).get(AUTOEP_LAYERS_KEY) if os.path.isfile(path) else None
+    return z.load_checkpoint_file(path).get(AUTOEP_LAYERS_KEY) if os.path.isfile(path) else None
 
 
 def _slices(section: Mapping[str, Any], path: str, groups: int) -> list[dict[str, tuple[int, int]]]:
@@ -95,7 +95,7 @@ def convert_autoep_zero12(input_folder: str, output_folder: str, inject_missing_
         raise UniversalConversionError(f"{input_folder}: an AutoEP checkpoint of ZeRO stage {stage}; AutoEP trains "
                                        "with ZeRO stages 0-2 here, so only those convert")
     model_file = os.path.join(input_folder, _model_states_name(0))
-    main_state = z._load(model_file)
+    main_state = z.load_checkpoint_file(model_file)
     _check_required_state(main_state, inject_missing_state, model_file)
     try:
         info = get_autoep_zero12_expert_param_info(main_state.get(AUTOEP_LAYERS_KEY))
@@ -105,7 +105,7 @@ def convert_autoep_zero12(input_folder: str, output_folder: str, inject_missing_
     data_first = config.get(DATA_FIRST, False) if isinstance(config, Mapping) else False
     if not isinstance(data_first, bool):
         raise UniversalConversionError(f"{model_file}: ds_config {DATA_FIRST} must be a boolean, got {data_first!r}")
-    shapes = z._param_groups(main_state, model_file)
+    shapes = z.read_param_shapes(main_state, model_file)
     per_rank = [_group_states(s, stage, p) for s, p in zip(sections, paths, strict=True)]
     slices = [_slices(s, p, len(shapes)) for s, p in zip(sections, paths, strict=True)]
     zero_dir = os.path.join(output_folder, ZERO_FOLDER)

@@ -89,7 +89,7 @@ def expert_lazy_states(sections: Sequence[Mapping[str, Any]], paths: Sequence[st
         parts = [fp32 for fp32, _ in per_rank] if key == "fp32" else [states[key] for _, states in per_rank]
         if any(t is None for rank in parts for t in rank):
             continue
-        vectors = [z._FlatVector(rank_groups) for rank_groups in parts]
+        vectors = [z.FlatVector(rank_groups) for rank_groups in parts]
         lazy: dict[str, Any] = {}
         offset = 0
         for g, group in enumerate(shapes):
@@ -132,7 +132,7 @@ def _autoep_expert_param_names_by_rank(model_files: Sequence[str]) -> tuple[set[
     names: set[str] = set()
     by_rank: dict[int, list[Any]] = {}
     for rank, path in enumerate(model_files):
-        layers = z._load(path).get(AUTOEP_LAYERS_KEY) or []
+        layers = z.load_checkpoint_file(path).get(AUTOEP_LAYERS_KEY) or []
         by_rank[rank] = layers
         for entry in layers:
             names.update(f"{entry['expert_key_prefix']}.{w}" for w in ("w1", "w2", "w3"))

@@ -117,9 +117,9 @@ def convert_autotp(input_folder: str, output_folder: str, mp_ranks: list[int], i
     for mp_rank in mp_ranks:
         stage, world, sections, paths = du._rank_sections(input_folder, mp_rank)
         files = du._model_state_files(input_folder, stage, mp_rank)
-        state = z._load(files[0])
+        state = z.load_checkpoint_file(files[0])
         du._check_required_state(state, inject_missing_state, files[0])
-        shapes = z._param_groups(state, files[0])
+        shapes = z.read_param_shapes(state, files[0])
         lazy, steps = du._lazy_states(stage, world, sections, paths, shapes, files[0])
         per_rank.append((state, shapes, lazy, steps, sections[0]))
         model_files += files
@@ -169,7 +169,7 @@ def _tp_model_states(input_folder: str) -> list[tuple[str, dict[str, Any]]]:
 
     out, rank = [], 0
     while os.path.isfile(path := os.path.join(input_folder, du._model_states_name(rank))):
-        out.append((path, z._load(path)))
+        out.append((path, z.load_checkpoint_file(path)))
         rank += 1
     size = autotp_size_of(out[0][1])
     if len(out) != size:
@@ -236,7 +236,7 @@ def convert_tp_by_rules(input_folder: str, output_folder: str, mp_ranks: list[in
     for mp_rank in mp_ranks:
         stage, world, sections, paths = du._rank_sections(input_folder, mp_rank)
         files = du._model_state_files(input_folder, stage, mp_rank)
-        shapes = z._param_groups(z._load(files[0]), files[0])
+        shapes = z.read_param_shapes(z.load_checkpoint_file(files[0]), files[0])
         lazy, steps = du._lazy_states(stage, world, sections, paths, shapes, files[0])
         per_rank.append((shapes, lazy, steps, sections[0], stage))
         model_files += files

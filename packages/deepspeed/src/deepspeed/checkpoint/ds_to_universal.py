@@ -179,7 +179,7 @@ def _autotp_size(tag_dir: str) -> int:
     from ds_zero import zero_to_fp32 as z
 
     path = os.path.join(tag_dir, _model_states_name(0))
-    return autotp_size_of(z._load(path)) if os.path.isfile(path) else 1
+    return autotp_size_of(z.load_checkpoint_file(path)) if os.path.isfile(path) else 1
 
 
 def _tp_rules(tag_dir: str, inject_missing_state: bool) -> Mapping[str, Any] | None:
@@ -191,7 +191,7 @@ def _tp_rules(tag_dir: str, inject_missing_state: bool) -> Mapping[str, Any] | N
 
     stage = _rank_sections(tag_dir, 0)[0]
     path = _model_state_files(tag_dir, stage, 0)[0]
-    state = z._load(path)
+    state = z.load_checkpoint_file(path)
     info = state.get(UNIVERSAL_CHECKPOINT_INFO)
     if stage == 3:
         info = info or {}
@@ -213,7 +213,7 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
 
     stage, world, sections, paths = _rank_sections(input_folder, mp_rank)
     model_files = _model_state_files(input_folder, stage, mp_rank)
-    main_state = z._load(model_files[0])
+    main_state = z.load_checkpoint_file(model_files[0])
     if mp_world > 1 and (stage == 3 or main_state.get("pipeline_parts") is None):
         raise UniversalConversionError(f"{input_folder}: a checkpoint of {mp_world} model-parallel ranks; only "
                                        "pipeline-parallel ones (ZeRO stage 0/1/2, files holding pipeline_parts) "
@@ -221,10 +221,10 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
                                        "converted, not other tensor-parallel layouts")
     if stage <= 2:
         _check_required_state(main_state, inject_missing_state, model_files[0])
-    shapes = z._param_groups(main_state, model_files[0])
+    shapes = z.read_param_shapes(main_state, model_files[0])
     experts: set[str] = set()
     if stage == 3 and uses_partitioned_experts(sections):  # AutoEP experts: partitions per expert group
-        lazy, steps, experts = expert_lazy_states(sections, paths, [z._load(f) for f in model_files], shapes)
+        lazy, steps, experts = expert_lazy_states(sections, paths, [z.load_checkpoint_file(f) for f in model_files], shapes)
     else:
         lazy, steps = _lazy_states(stage, world, sections, paths, shapes, model_files[0])
     names = [name for group in shapes for name in group if name not in written]
@@ -259,7 +259,7 @@ def _is_stage0_pipeline(tag_dir: str) -> bool:
         return False
     from ds_zero import zero_to_fp32 as z
 
-    state = z._load(path)
+    state = z.load_checkpoint_file(path)
     return state.get("pipeline_parts") is not None and state.get("pipeline_param_names") is not None
 
 
@@ -272,7 +272,7 @@ def _layer_value(tag_dir: str, name: str, names: Sequence[str], span: range, cac
     def layer(index: int) -> Any:
         if index not in cache:
             path = os.path.join(tag_dir, f"layer_{index:02d}-model_states.pt")
-            cache[index] = z._load(path) if os.path.isfile(path) else {}
+            cache[index] = z.load_checkpoint_file(path) if os.path.isfile(path) else {}
         return cache[index]
 
     head, _, rest = name.partition(".")
@@ -295,13 +295,13 @@ def _convert_stage0_pipeline(input_folder: str, output_folder: str, strict: bool
     zero_dir = os.path.join(output_folder, ZERO_FOLDER)
     make_dirs(zero_dir)
     files = sorted(name for name in os.listdir(input_folder) if name.endswith("model_states.pt")
-                   and (name.startswith("layer_") or z._MODEL_STATES_RE.match(name)))
-    first = z._load(os.path.join(input_folder, "mp_rank_00_model_states.pt"))
+                   and (name.startswith("layer_") or z.MODEL_STATES_RE.match(name)))
+    first = z.load_checkpoint_file(os.path.join(input_folder, "mp_rank_00_model_states.pt"))
     parts, written, shapes, common = list(first["pipeline_parts"]), set(), {}, None
     print(f"Converting pipeline checkpoint {input_folder} ({len(parts) - 1} stages, no ZeRO) to {output_folder}")
     for stage in range(len(parts) - 1):
         path = os.path.join(input_folder, _model_states_name(stage))
-        state = first if stage == 0 else z._load(path)
+        state = first if stage == 0 else z.load_checkpoint_file(path)
         names, optimizer = state.get("pipeline_param_names"), state.get("optimizer")
         if names is None or optimizer is None:
             raise UniversalConversionError(f"{path}: no optimizer state by parameter name (saved without an "
@@ -357,7 +357,7 @@ def _get_zero_stage(optim_files: Sequence[str]) -> int:
     """The ZeRO stage the first of ``optim_files`` records (1 when it records none: the bf16 optimizer's)."""
     from ds_zero import zero_to_fp32 as z
 
-    section = z._optimizer_section(z._load(optim_files[0]), optim_files[0])
+    section = z.optimizer_section(z.load_checkpoint_file(optim_files[0]), optim_files[0])
     return int(section.get("zero_stage", 1))
 
 

@@ -67,7 +67,7 @@ def apply_autoep(model: nn.Module, config: Any, world_size: int | None = None,
         return []
     if world_size is None:
         world_size = dist.get_world_size() if _distributed() else 1
-    tensor_parallel = groups._tensor_size(groups.mpu)
+    tensor_parallel = groups.tensor_parallel_size(groups.mpu)
     if tensor_parallel > 1:
         raise ValueError(f"expert_parallel.enabled: AutoEP cannot be combined with tensor model parallelism from "
                          f"mpu (bwc_tensor_model_parallel_world_size={tensor_parallel})")

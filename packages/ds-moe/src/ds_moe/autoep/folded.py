@@ -44,7 +44,7 @@ def create_folding_group_handles(spec: ParallelFoldingSpec, *, tp_group: Any, de
     """This rank's groups of ``spec``: the given TP and dense data-parallel groups (AutoTP's) and the
     ``ep_size_<ep>`` expert groups, created with the folded rank lists (``RuntimeError`` when groups of that name
     already exist with another layout). Collective on first use."""
-    groups._require_initialized()
+    groups.require_initialized()
     rank = dist.get_rank()
     name = f"ep_size_{spec.ep_size}"
     tables = expected_folding_group_tables(spec)
@@ -52,8 +52,8 @@ def create_folding_group_handles(spec: ParallelFoldingSpec, *, tp_group: Any, de
         assert_group_matches_spec(([groups._get_expert_parallel_group_ranks(name)],
                                    [groups._get_expert_data_parallel_group_ranks(name)]), spec)
     else:
-        groups._register(name, [list(g) for g in tables.ep_groups], [list(g) for g in tables.edp_groups],
-                         edp_first=True)
+        groups.register_expert_groups(name, [list(g) for g in tables.ep_groups],
+                                      [list(g) for g in tables.edp_groups], edp_first=True)
     local = local_folding_ranks(rank, spec)
     for kind, group in (("tp", tp_group), ("dense_dp", dense_dp_group)):
         have = tuple(sorted(dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))))
