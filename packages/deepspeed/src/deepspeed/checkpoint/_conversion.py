@@ -161,16 +161,23 @@ def _model_states_name(mp_rank: int) -> str:
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
-def _verify(zero_dir: str, shapes: list[Mapping[str, Any]], keys: list[str]) -> None:
+def _verify(zero_dir: str, shapes: list[Mapping[str, Any]], keys: list[str],
+            expert_numels: Mapping[str, int] | None = None) -> None:
+    """Every written ``zero/<name>/<key>.pt`` holds exactly the values its parameter has: ``param_shapes``, or
+    for an AutoEP expert file (every expert-parallel rank's experts; ``param_shapes`` has one rank's) its
+    ``expert_numels`` entry."""
     for group in shapes:
         for name, shape in group.items():
             for key in keys:
                 path = os.path.join(zero_dir, name, f"{key}.pt")
                 obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 tensor = obj[PARAM] if isinstance(obj, dict) else obj
-                # an AutoEP expert's file holds every expert-parallel rank's experts; param_shapes one rank's
-                experts = isinstance(obj, dict) and obj.get("is_expert_param") and math.prod(shape) \
-                    and tensor.numel() % math.prod(shape) == 0
-                if tensor.numel() != math.prod(shape) and not experts:
-                    raise UniversalConversionError(f"{path}: {tensor.numel()} values, parameter {name!r} has shape "
-                                                   f"{tuple(shape)}")
+                expert = isinstance(obj, dict) and bool(obj.get("is_expert_param"))
+                if expert and name not in (expert_numels or {}):
+                    raise UniversalConversionError(f"{path}: parameter {name!r} is written as an AutoEP expert "
+                                                   "parameter but the conversion recorded no expert size for it")
+                expected = expert_numels[name] if expert else math.prod(shape)
+                if tensor.numel() != expected:
+                    has = (f"expert parameter {name!r} needs {expected} (all its experts; {tuple(shape)} per rank)"
+                           if expert else f"parameter {name!r} has shape {tuple(shape)}")
+                    raise UniversalConversionError(f"{path}: {tensor.numel()} values, {has}")

@@ -20,11 +20,16 @@ import torch
 
 from deepspeed.checkpoint._conversion import STATE_KEYS, UniversalConversionError, _group_states
 from deepspeed.checkpoint.constants import (
+    AUTOEP_EXPERT_KEY_PREFIX,
     AUTOEP_LAYERS_KEY,
+    AUTOEP_NUM_EXPERTS,
     AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY,
     AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT,
 )
+from deepspeed.checkpoint.state_metadata import read_plain_entries
 from ds_zero.zero3.checkpoint import PARTITION_GROUPS
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def uses_partitioned_experts(sections: Sequence[Mapping[str, Any]]) -> bool:
@@ -51,6 +56,45 @@ def _ep_rank(model_state: Mapping[str, Any], path: str) -> int:
     return ranks.pop()
 
 
+def read_autoep_layers(model_files: Sequence[str]) -> list[Any]:
+    """Each file's ``ds_autoep_layers`` (None where it has none), read from the pickle alone: the model states of a
+    ZeRO-3 rank are not unpickled whole (nor their tensors mapped) for a few integers."""
+    return [read_plain_entries(path, [AUTOEP_LAYERS_KEY]).get(AUTOEP_LAYERS_KEY) for path in model_files]
+
+
+def read_ep_ranks(model_files: Sequence[str]) -> list[int]:
+    """The ``ep_rank`` each ZeRO-3 AutoEP rank's model-states file records, in file order."""
+    return [_ep_rank({AUTOEP_LAYERS_KEY: layers}, path)
+            for layers, path in zip(read_autoep_layers(model_files), model_files, strict=True)]
+
+
+def _expert_counts(layers: Any, path: str) -> dict[str, int]:
+    """``{expert parameter name: num_experts}`` of ``ds_autoep_layers`` (every layer's ``<prefix>.w1|w2|w3``)."""
+    try:
+        return {f"{entry[AUTOEP_EXPERT_KEY_PREFIX]}.{w}": int(entry[AUTOEP_NUM_EXPERTS])
+                for entry in layers for w in EXPERT_WEIGHTS}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UniversalConversionError(f"{path}: ds_autoep_layers entries need '{AUTOEP_EXPERT_KEY_PREFIX}' and "
+                                       f"'{AUTOEP_NUM_EXPERTS}' ({type(exc).__name__}: {exc})") from exc
+
+
+def _whole_expert_shape(name: str, shape: Sequence[int], groups: int, counts: Mapping[str, int],
+                        path: str) -> torch.Size:
+    """``[num_experts, ...]`` of an expert parameter whose per-rank shape is ``shape``, from ``groups``
+    expert-parallel ranks; refused unless that is exactly the ``num_experts`` its AutoEP layer records."""
+    if name not in counts:
+        raise UniversalConversionError(f"{path}: parameter {name!r} is partitioned over an expert group but no "
+                                       f"ds_autoep_layers entry names it (expert parameters: {sorted(counts)})")
+    found = torch.Size([shape[0] * groups, *shape[1:]])
+    expected = torch.Size([counts[name], *shape[1:]])
+    if found != expected:
+        raise UniversalConversionError(
+            f"{path}: expert parameter {name!r}: its {groups} expert-parallel ranks hold {found.numel()} values "
+            f"({tuple(found)}), expected {expected.numel()} ({tuple(expected)}: {counts[name]} experts as "
+            "ds_autoep_layers records); the ranks' ep_rank or partition-group records do not fit together")
+    return found
+
+
 def _expert_groups(sub_group: int, metas: Sequence[Mapping[int, Mapping[str, Any]]], ep_ranks: Sequence[int],
                    path: str) -> list[list[int]]:
     """The expert-data-parallel groups (global ranks in partition order) of ``sub_group``, in ``ep_rank`` order;
@@ -70,21 +114,25 @@ def _expert_groups(sub_group: int, metas: Sequence[Mapping[int, Mapping[str, Any
     return [by_ep[ep] for ep in range(len(by_ep))]
 
 
-def expert_lazy_states(sections: Sequence[Mapping[str, Any]], paths: Sequence[str],
-                       model_states: Sequence[Mapping[str, Any]], shapes: Sequence[Mapping[str, Any]]
-                       ) -> tuple[dict[str, dict[str, Any]], dict[int, Any], set[str]]:
-    """``({state key: {name: LazyTensor}}, {sub-group: step}, expert names)`` of a ZeRO-3 AutoEP checkpoint
-    (``_conversion._lazy_states`` for this layout): ``sections`` and
-    ``paths`` every rank's optimizer section and file, ``model_states`` every rank's model states (for its
-    ``ep_rank``), ``shapes`` the ``param_shapes`` (one dict per sub-group; expert shapes are per rank)."""
+def expert_lazy_states(sections: Sequence[Mapping[str, Any]], paths: Sequence[str], model_files: Sequence[str],
+                       shapes: Sequence[Mapping[str, Any]]
+                       ) -> tuple[dict[str, dict[str, Any]], dict[int, Any], dict[str, int]]:
+    """``({state key: {name: LazyTensor}}, {sub-group: step}, {expert name: values of the whole expert tensor})``
+    of a ZeRO-3 AutoEP checkpoint (``_conversion._lazy_states`` for this layout): ``sections`` and ``paths``
+    every rank's optimizer section and file, ``model_files`` every rank's model-states file (its ``ep_rank`` and
+    the layers' ``num_experts``), ``shapes`` the ``param_shapes`` (one dict per sub-group; expert shapes are per
+    rank). An expert tensor that would not be exactly ``num_experts`` experts is refused."""
     from ds_zero import zero_to_fp32 as z
 
     world = len(sections)
-    ep_ranks = [_ep_rank(state, path) for state, path in zip(model_states, paths, strict=True)]
+    layers = read_autoep_layers(model_files)
+    ep_ranks = [_ep_rank({AUTOEP_LAYERS_KEY: entries}, path) for entries, path in zip(layers, model_files,
+                                                                                       strict=True)]
+    counts = _expert_counts(layers[0], model_files[0])
     metas = [{int(e["sub_group"]): e for e in (section.get(PARTITION_GROUPS) or [])} for section in sections]
     per_rank = [_group_states(section, 3, path) for section, path in zip(sections, paths, strict=True)]
     out: dict[str, dict[str, Any]] = {}
-    experts: set[str] = set()
+    experts: dict[str, int] = {}
     for key in STATE_KEYS:
         parts = [fp32 for fp32, _ in per_rank] if key == "fp32" else [states[key] for _, states in per_rank]
         if any(t is None for rank in parts for t in rank):
@@ -104,9 +152,9 @@ def expert_lazy_states(sections: Sequence[Mapping[str, Any]], paths: Sequence[st
                 else:  # each group's partitions, padding cut, then the next expert-parallel rank's
                     spans = [(vectors[r], offset, min(part, numel - k * part))
                              for ranks in groups for k, r in enumerate(ranks) if numel - k * part > 0]
-                    whole = torch.Size([shape[0] * len(groups), *shape[1:]])
+                    whole = _whole_expert_shape(name, shape, len(groups), counts, model_files[0])
                     lazy[name] = z.LazyTensor(name, whole, torch.float32, spans)
-                    experts.add(name)
+                    experts[name] = whole.numel()
                 offset += part
         if offset != vectors[0].numel:
             raise UniversalConversionError(f"{paths[0]}: the parameters in 'param_shapes' take {offset} values of "
@@ -127,13 +175,9 @@ def _get_zero3_model_state_files(checkpoint_dir: str) -> list[str]:
 def _autoep_expert_param_names_by_rank(model_files: Sequence[str]) -> tuple[set[str], dict[int, list[Any]]]:
     """``(expert parameter names, {rank: ds_autoep_layers})`` of ZeRO-3 model-states files (DeepSpeed's name):
     every AutoEP layer's ``<expert_key_prefix>.w1|w2|w3``."""
-    from ds_zero import zero_to_fp32 as z
-
     names: set[str] = set()
     by_rank: dict[int, list[Any]] = {}
-    for rank, path in enumerate(model_files):
-        layers = z.load_checkpoint_file(path).get(AUTOEP_LAYERS_KEY) or []
-        by_rank[rank] = layers
-        for entry in layers:
-            names.update(f"{entry['expert_key_prefix']}.{w}" for w in ("w1", "w2", "w3"))
+    for rank, layers in enumerate(read_autoep_layers(model_files)):
+        by_rank[rank] = layers or []
+        names.update(f"{entry[AUTOEP_EXPERT_KEY_PREFIX]}.{w}" for entry in by_rank[rank] for w in EXPERT_WEIGHTS)
     return names, by_rank

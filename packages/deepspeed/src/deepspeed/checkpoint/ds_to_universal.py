@@ -148,13 +148,15 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
     zero_dir = os.path.join(output_folder, ZERO_FOLDER)
     make_dirs(zero_dir)
     written: set[str] = set()
+    expert_numels: dict[str, int] = {}
     all_shapes: list[Mapping[str, Any]] = []
     keys: list[str] = []
     common: dict[str, Any] | None = None
     model_files: list[str] = []
     for mp_rank in mp_ranks:
         stage_common, stage_files, shapes, stage_keys = _convert_mp_rank(
-            input_folder, output_folder, zero_dir, mp_rank, len(mp_ranks), inject_missing_state, written)
+            input_folder, output_folder, zero_dir, mp_rank, len(mp_ranks), inject_missing_state, written,
+            expert_numels)
         common = stage_common if common is None else common
         model_files += stage_files
         all_shapes += shapes
@@ -166,7 +168,7 @@ def convert(input_folder: str, output_folder: str, inject_missing_state: bool = 
     for path in model_files:
         _copy(path, os.path.join(output_folder, os.path.basename(path)))
     if strict:
-        _verify(zero_dir, all_shapes, keys)
+        _verify(zero_dir, all_shapes, keys, expert_numels)
     root, step_folder = os.path.split(output_folder)
     atomic_write_text(os.path.join(root or ".", LATEST_UNIVERSAL), step_folder)
     print("*** Done!")
@@ -205,9 +207,10 @@ def _tp_rules(tag_dir: str, inject_missing_state: bool) -> Mapping[str, Any] | N
 
 
 def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_rank: int, mp_world: int,
-                     inject_missing_state: bool, written: set[str]
+                     inject_missing_state: bool, written: set[str], expert_numels: dict[str, int]
                      ) -> tuple[dict[str, Any], list[str], list[Mapping[str, Any]], list[str]]:
-    """Write the ``zero/<name>/`` folders of one model-parallel rank's parameters not in ``written`` (updated).
+    """Write the ``zero/<name>/`` folders of one model-parallel rank's parameters not in ``written`` (updated;
+    ``expert_numels`` gets the exact size of each AutoEP expert file written).
     Returns (the optimizer's common state, the model-states files, ``param_shapes``, the state keys written)."""
     from ds_zero import zero_to_fp32 as z
 
@@ -222,9 +225,10 @@ def _convert_mp_rank(input_folder: str, output_folder: str, zero_dir: str, mp_ra
     if stage <= 2:
         _check_required_state(main_state, inject_missing_state, model_files[0])
     shapes = z.read_param_shapes(main_state, model_files[0])
-    experts: set[str] = set()
+    experts: dict[str, int] = {}
     if stage == 3 and uses_partitioned_experts(sections):  # AutoEP experts: partitions per expert group
-        lazy, steps, experts = expert_lazy_states(sections, paths, [z.load_checkpoint_file(f) for f in model_files], shapes)
+        lazy, steps, experts = expert_lazy_states(sections, paths, model_files, shapes)
+        expert_numels.update(experts)
     else:
         lazy, steps = _lazy_states(stage, world, sections, paths, shapes, model_files[0])
     names = [name for group in shapes for name in group if name not in written]
