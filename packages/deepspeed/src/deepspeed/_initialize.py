@@ -1,9 +1,10 @@
 """``deepspeed.initialize`` and ``deepspeed.add_config_arguments``.
 
-``initialize`` is a short composition: find the config -> initialise torch.distributed -> find the
-data-parallel group (``mpu``'s, else the world) -> parse the config for that group's size -> configure the
-comms logger -> build the engine (which builds the optimizer wrapper, reducer, schedule, data loader,
-monitors and profiler).
+``initialize`` is a short composition: find the config -> initialise torch.distributed -> shard the model with
+AutoTP when asked (AutoEP folded onto it just before, ``deepspeed.runtime.autoep``) -> find the data-parallel group
+(``mpu``'s, else the world) -> parse the config for that group's size -> configure the comms logger -> build the
+engine (which configures AutoEP, as DeepSpeed's does, and builds the optimizer wrapper, reducer, schedule, data
+loader, monitors and profiler).
 """
 
 from __future__ import annotations
@@ -53,67 +54,6 @@ def _pipeline_module(model: Any) -> Any:
     return model if module is not None and isinstance(model, module.PipelineModule) else None
 
 
-def _autoep_folding(ds_config: Any, mpu: Any) -> dict[str, Any] | None:
-    """The arguments of ``apply_autoep_folded`` when AutoEP meets AutoTP's tensor-parallel groups, else None."""
-    import torch.distributed as dist
-
-    if mpu is None or not hasattr(mpu, "get_tensor_model_parallel_group") or not dist.is_initialized():
-        return None
-    tp_group = mpu.get_tensor_model_parallel_group()
-    if dist.get_world_size(tp_group) <= 1:
-        return None
-    zero = ds_config.zero_optimization
-    return {"tp_group": tp_group, "dense_dp_group": mpu.get_data_parallel_group(), "zero_stage": ds_config.zero_stage,
-            "deepcompile_enabled": bool(ds_config.compile.deepcompile),
-            "tp_preset_model": ds_config.tensor_parallel.preset_model,
-            "use_data_before_expert_parallel": bool(ds_config.use_data_before_expert_parallelism),
-            "zero_offload_optimizer": _offloads(zero.offload_optimizer),
-            "zero_offload_param": _offloads(zero.offload_param)}
-
-
-def _offloads(section: Any) -> bool:
-    device = getattr(section, "device", None)
-    return getattr(device, "value", device) not in (None, "none")
-
-
-def _folder(model: Any, ds_config: Any) -> Any:
-    """AutoTP's ``before_shard`` step when AutoEP is enabled too: fold AutoEP onto the tensor-parallel ranks
-    (``ds_moe.autoep.folded``) before AutoTP shards, so AutoTP leaves the AutoEP layers (router, experts) alone."""
-    if not ds_config.expert_parallel.enabled:
-        return None
-
-    def fold(tp_mpu: Any) -> None:
-        from ds_moe.autoep import as_autoep_config
-        from ds_moe.autoep.folded import apply_autoep_folded
-
-        folding = _autoep_folding(ds_config, tp_mpu)
-        if folding is not None:
-            apply_autoep_folded(model, as_autoep_config(ds_config.expert_parallel), **folding)
-
-    return fold
-
-
-def _apply_autoep(model: Any, section: Any, model_parameters: Any, optimizer: Any,
-                  data_first: bool = False) -> tuple[Any, Any]:
-    """AutoEP: the model's Hugging Face MoE blocks become expert-parallel layers; a parameter list or a client
-    optimizer taken from the unconverted model is pointed at the new expert tensors (as DeepSpeed rewires them).
-    Folded onto AutoTP (done before AutoTP sharded, :func:`_folder`): the parameters AutoTP made get their
-    gradient corrections too."""
-    import torch
-
-    from ds_moe.autoep import apply_autoep, remap_parameters
-    from ds_moe.autoep.folded import hook_new_parameters
-
-    if not hook_new_parameters(model):
-        apply_autoep(model, section, use_data_before_expert_parallel=data_first)  # the engine's group order
-    if isinstance(model_parameters, (list, tuple)):
-        model_parameters = remap_parameters(model_parameters, model)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        for group in optimizer.param_groups:
-            group["params"] = remap_parameters(group["params"], model)
-    return model_parameters, optimizer
-
-
 class MissingModelError(ValueError, AssertionError):
     """``deepspeed.initialize`` without a model: a ``ValueError``, and the ``AssertionError`` DeepSpeed raises."""
 
@@ -142,10 +82,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         mpu, engine_class = pipeline_mpu(pipe, mpu), PipelineEngine
     ds_config = load_config(source)
     if pipe is None:  # AutoTP: shard the model, tensor/data groups as the mpu
+        from deepspeed.runtime.autoep import fold_before_autotp
         from deepspeed.runtime.autotp import apply_autotp
 
         mpu, model_parameters, optimizer = apply_autotp(model, ds_config, mpu, model_parameters, optimizer,
-                                                        before_shard=_folder(model, ds_config))
+                                                        before_shard=fold_before_autotp(model, ds_config))
     if ds_config.sequence_parallel_size > 1 or mpu is not None:  # sequence groups of the config's size
         from deepspeed.sequence.groups import sequence_mpu
 
@@ -161,9 +102,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if pipe is not None:
         ds_config.check_pipeline(pipe.num_stages)
     comm.configure(ds_config)
-    if ds_config.expert_parallel.enabled:
-        model_parameters, optimizer = _apply_autoep(model, ds_config.expert_parallel, model_parameters, optimizer,
-                                                    ds_config.use_data_before_expert_parallelism)
     if ds_config.hybrid_engine.enabled:
         engine_class = _hybrid_engine_class(engine_class)
     engine = engine_class(model, ds_config, optimizer=optimizer, model_parameters=model_parameters,

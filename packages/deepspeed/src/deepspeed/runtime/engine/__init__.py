@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from deepspeed import comm as dist  # noqa: F401 - DeepSpeed's engine module has it (deepspeed.comm)
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.utils import checkpoint_parallel_metadata as _checkpoint_parallel_metadata  # noqa: F401
 from deepspeed.runtime.eigenvalue import eigenvalue_summary_events as _eigenvalue_summary_events  # noqa: F401
 from deepspeed.runtime.engine import _eigenvalue, _module, _moe, _optimizer, _setup, _stages, _unmanaged, _zero
 from deepspeed.runtime.engine._accessors import ConfigAccessors
+from deepspeed.runtime.engine._autoep_configure import AutoEPConfigureMethods
 from deepspeed.runtime.engine._autoep_folding import AutoEPFoldingMethods
 from deepspeed.runtime.engine._ckpt_names import CheckpointNameMethods
 from deepspeed.runtime.engine._compression import build_compression_scheduler
@@ -53,6 +55,7 @@ from deepspeed.runtime.engine._zero_states import ZeroStateMethods
 from deepspeed.runtime.optimizer_wrapper import trainable
 from deepspeed.runtime.peer_failure import announce, named_peer_failures
 from deepspeed.runtime.torch_autocast import autocast_context, init_autocast_params
+from deepspeed.utils import groups as groups  # DeepSpeed's engine module has it (AutoEP's expert groups)
 from deepspeed.utils import log_dist
 from deepspeed.utils.timer import ThroughputTimer
 from deepspeed.utils.torch import is_functorch_transforming
@@ -65,8 +68,8 @@ class LossArgumentError(TypeError, AssertionError):
 
 
 class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods, ZeroStateMethods, DataMethods,
-                      CheckpointNameMethods, DeepCompileMethods, AutoEPFoldingMethods, GradSyncMethods,
-                      ModuleStateMethods, torch.nn.Module):
+                      CheckpointNameMethods, DeepCompileMethods, AutoEPConfigureMethods, AutoEPFoldingMethods,
+                      GradSyncMethods, ModuleStateMethods, torch.nn.Module):
     """Wraps ``model`` for training with the typed ``config`` (a ``DeepSpeedConfig`` whose batch sizes are
     resolved). ``optimizer`` is a torch optimizer or a callable taking the parameters (else the config's);
     ``lr_scheduler`` a schedule or a callable taking the optimizer (else the config's); ``training_data``
@@ -87,6 +90,7 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         _setup.place(self, mpu, dp_group)
         self._assert_valid_mixed_precision_config()
         self.module = _module.check_module(model)
+        optimizer, model_parameters = self._configure_autoep(model, optimizer, model_parameters)  # DeepSpeed's order
         param_dtype, buffer_dtype = self._mixed_precision_dtypes()  # fp16/bf16 weights; buffers keep their dtype
         self._cast_module_mixed_precision(param_dtype, buffer_dtype, is_zero_init_model(self.module, config.zero_stage))
         self.module.to(self.device)  # after the cast: low-precision weights travel at half size
@@ -431,8 +435,8 @@ class DeepSpeedEngine(ConfigAccessors, MixedPrecisionMethods, Zero3EngineMethods
         return [group.get("lr", 0.0) for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_mom(self) -> list[Any]:
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        return [g["betas"] if "betas" in g else g.get("momentum") for g in groups]
+        param_groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         """Unscaled global gradient L2 norm of the last step (computed with clipping or loss scaling)."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from deepspeed.runtime.engine._zero3 import _setting
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -70,12 +72,14 @@ class ConfigAccessors:
     def zero_optimization(self) -> bool:
         return self._config.zero_enabled
 
+    # these four also read DeepSpeed's config attribute names (a DeepSpeed-style config object, as DeepSpeed's
+    # white-box tests give the engine), else the typed config's
     def zero_optimization_stage(self) -> int:
-        return self._config.zero_stage
+        return _setting(self._config, "zero_optimization_stage", "zero_stage")
 
     def autotp_size(self) -> int:
         """``tensor_parallel.autotp_size``: the AutoTP training degree the config asks for (0 or 1: none)."""
-        return self._config.tensor_parallel.autotp_size
+        return _setting(self._config, "tensor_parallel_config.autotp_size", "tensor_parallel.autotp_size")
 
     def zero_optimization_partition_gradients(self) -> bool:
         return self._config.zero_stage >= 2
@@ -84,7 +88,7 @@ class ConfigAccessors:
         return self._config.zero_stage >= 3
 
     def zero_offload_optimizer(self) -> Any:
-        return self._config.zero_optimization.offload_optimizer
+        return _setting(self._config, "zero_config.offload_optimizer", "zero_optimization.offload_optimizer")
 
     def zero_use_cpu_optimizer(self) -> bool:
         """The optimizer steps off the accelerator: ``offload_optimizer.device`` is cpu or nvme (none: inert)."""
@@ -92,7 +96,7 @@ class ConfigAccessors:
         return off is not None and str(getattr(off.device, "value", off.device)) in ("cpu", "nvme")
 
     def zero_offload_param(self) -> Any:
-        return self._config.zero_optimization.offload_param
+        return _setting(self._config, "zero_config.offload_param", "zero_optimization.offload_param")
 
     def zero_allow_untested_optimizer(self) -> bool:
         return self._config.zero_allow_untested_optimizer

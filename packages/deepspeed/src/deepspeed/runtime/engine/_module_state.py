@@ -2,9 +2,7 @@
 
 ``load_checkpoint`` (``deepspeed.runtime.checkpointing``) calls this method on the engine instead of
 ``module.load_state_dict``, so a subclass or client that overrides it (as DeepSpeed's own pipeline engine and
-several trainers do) decides how the weights load. ``_autoep_sequence_parallel_world_size`` is DeepSpeed's
-accessor of the sequence-parallel size AutoEP's layout is checked against (the mpu's, else ``groups``'); the ZeRO-3
-MoE gate here reads the engine's own ``sequence_parallel_size``, which the engine took from the same sources.
+several trainers do) decides how the weights load.
 """
 
 from __future__ import annotations
@@ -68,12 +66,3 @@ class ModuleStateMethods:
             result = self.module.load_state_dict(weights, strict=strict and allowance is None)
             if strict and allowance is not None:
                 _check_allowance(result, allowance)
-
-    def _autoep_sequence_parallel_world_size(self) -> int:
-        """The sequence-parallel world size: the mpu's when it has one, else ``deepspeed.utils.groups``'."""
-        mpu = getattr(self, "mpu", None)
-        if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
-            return int(mpu.get_sequence_parallel_world_size())
-        from deepspeed.utils import groups
-
-        return int(groups._get_sequence_parallel_world_size())
