@@ -121,3 +121,24 @@ def test_plain_entries_leave_tensors_unread(saved):
     assert sorted(entries) == ["ds_autoep_layers", "global_steps", "module"]
     assert entries["global_steps"] == 1 and entries["ds_autoep_layers"][0]["num_experts"] == 4
     assert entries["module"] and all(isinstance(v, Opaque) for v in entries["module"].values())
+
+
+def test_written_expert_file_of_a_whole_multiple_is_refused(saved, tmp_path):
+    """The check after writing (``--no_strict`` skips it): an expert file holding twice its experts is refused."""
+    from deepspeed.checkpoint._conversion import UniversalConversionError, _verify
+    from deepspeed.checkpoint.ds_to_universal import convert
+    from ds_zero import zero_to_fp32 as z
+
+    out = convert(os.path.join(saved, TAG), str(tmp_path / "universal"))
+    zero_dir = os.path.join(out, "zero")
+    rank0 = _model_files(os.path.join(saved, TAG))[0]
+    shapes = z.read_param_shapes(z.load_checkpoint_file(rank0), rank0)
+    whole = {f"model.layers.0.mlp.experts.{w}": 4 * 48 for w in ("w1", "w2", "w3")}
+    _verify(zero_dir, shapes, ["fp32"], whole)  # as written: exact
+    path = os.path.join(zero_dir, "model.layers.0.mlp.experts.w2", "fp32.pt")
+    obj = torch.load(path, weights_only=True)
+    obj["param"] = torch.cat([obj["param"], obj["param"]])
+    torch.save(obj, path)
+    with pytest.raises(UniversalConversionError, match=r"384 values, expert parameter "
+                                                       r"'model\.layers\.0\.mlp\.experts\.w2' needs 192"):
+        _verify(zero_dir, shapes, ["fp32"], whole)
