@@ -99,7 +99,8 @@ def apply_autoep_folded(model: nn.Module, config: AutoEPConfig, *, tp_group: Any
                         **features: Any) -> tuple[ParallelFoldingSpec, list[str]]:
     """Replace ``model``'s MoE blocks by AutoEP layers whose experts are spread over the folded expert groups, bind
     them to the folding handles and hook the gradient corrections. ``features``: ``validate_autoep_config``'s
-    keyword arguments (``zero_stage``, offload flags, ``mpu``, ...). Returns the layout and the replaced names."""
+    keyword arguments (``zero_stage``, offload flags, ``mpu``, ...). Returns the layout and the replaced names.
+    Run again on the same model, it replaces nothing and hooks only the parameters made since (AutoTP's shards)."""
     world = dist.get_world_size()
     tp_size = dist.get_world_size(tp_group)
     validate_autoep_config(config, world_size=world, pp_size=1, tp_size=tp_size, sp_size=1, **features)
@@ -117,14 +118,3 @@ def apply_autoep_folded(model: nn.Module, config: AutoEPConfig, *, tp_group: Any
             mark_autoep_folding_router_parameter(param)
     install_folding_gradient_hooks(model, handles)
     return spec, [s.moe_module_name for s in specs]
-
-
-def hook_new_parameters(model: nn.Module) -> bool:
-    """Whether ``model`` is folded; if so, hook the parameters made after :func:`apply_autoep_folded` (AutoTP's
-    shards run after it; a sharded layer's replicated bias needs the ``average`` correction too)."""
-    handles = next((m.folding_group_handles for m in model.modules()
-                    if getattr(m, "folding_group_handles", None) is not None), None)
-    if handles is None:
-        return False
-    install_folding_gradient_hooks(model, handles)
-    return True
