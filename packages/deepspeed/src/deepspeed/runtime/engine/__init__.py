@@ -9,9 +9,10 @@ overlapped with backward through per-parameter gradient hooks. The hooks also se
 The modules of this folder: ``_setup`` (the constructor's steps, in order), ``_module`` (device, broadcast),
 ``_stages`` (the ZeRO stage registry; stage 0), ``_zero`` / ``_zero3`` / ``_zero_states`` (ZeRO 1-2, ZeRO-3 and
 its engine methods, ``offload_states``), ``_precision``, ``_optimizer`` (optimizer and LR schedule), ``_moe`` /
-``_moe_checkpoint``, ``_compression``, ``_data_efficiency`` (data loader, curriculum, dynamic batching),
-``_pld``, ``_reporting`` (log line, monitors, flops profiler), ``_accessors``, ``_timers``; checkpoints are
-``deepspeed.runtime.checkpointing``, AutoTP training ``deepspeed.runtime.autotp``.
+``_moe_checkpoint``, ``_autoep_configure`` (AutoEP), ``_compression``, ``_data_efficiency`` (data loader,
+curriculum, dynamic batching), ``_pld``, ``_reporting`` (log line, monitors, flops profiler), ``_accessors``,
+``_timers``; checkpoints are ``deepspeed.runtime.checkpointing``, AutoTP training ``deepspeed.runtime.autotp``,
+AutoEP's step ``deepspeed.runtime.autoep``.
 """
 
 from __future__ import annotations
