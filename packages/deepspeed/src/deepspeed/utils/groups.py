@@ -11,6 +11,10 @@ the pipeline grid: every rank of one data-parallel replica, all stages and slice
 ``get_model_parallel_*`` is the tensor-parallel group (DeepSpeed's 2-D data x tensor API).
 Expert-parallel and expert-data-parallel groups (``_create_expert_and_data_parallel``, ``_get_expert_*``,
 ``_get_max_expert_*``) are ``ds_moe.groups``' (MoE creates them per ``ep_size``); this module serves them by name.
+Groups kept here belong to the default process group they were made under: after ``destroy_process_group`` they
+are never handed out again (a process that initialises torch.distributed anew gets new ones on request, as a fresh
+process would; ``ds_moe.groups`` does the same for the expert groups). A registered mpu is the caller's object and
+is kept as it is.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ _SELF_GROUP: tuple[Any, ProcessGroup] | None = None  # (default group it was mad
 _TENSOR_MODEL_PARALLEL_GROUP: Any = None
 _MODEL_PARALLEL_GROUP: Any = None
 _DATA_PARALLEL_GROUP: Any = None
+_TP_GROUPS_OWNER: Any = None  # the default process group the three groups above were made under
 _DEVICE_MESH_SPLIT_UNSUPPORTED = "No backend for the parent process group or its backend does not support splitting"
 
 
@@ -227,10 +232,24 @@ def _tp_dp_sizes(tensor_model_parallel_size: int, data_parallel_size: int | None
 
 
 def _set_tp_groups(data_group: Any, tensor_group: Any) -> tuple[Any, Any]:
-    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP
+    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP, _TP_GROUPS_OWNER
     _DATA_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP = data_group, tensor_group
     _MODEL_PARALLEL_GROUP = tensor_group
+    _TP_GROUPS_OWNER = _default_group()
     return _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
+
+
+def _default_group() -> ProcessGroup | None:
+    return torch_dist.group.WORLD if torch_dist.is_available() and torch_dist.is_initialized() else None
+
+
+def _drop_stale_tp_groups() -> None:
+    """Forget the data x tensor groups when the default process group they were made under is gone
+    (``destroy_process_group``, perhaps followed by a new ``init_process_group`` in the same process): a destroyed
+    group is never handed out, and the next ``_init_tp_mesh_device`` builds new groups instead of keeping them."""
+    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP, _TP_GROUPS_OWNER
+    if _TP_GROUPS_OWNER is not None and _TP_GROUPS_OWNER is not _default_group():
+        _DATA_PARALLEL_GROUP = _MODEL_PARALLEL_GROUP = _TENSOR_MODEL_PARALLEL_GROUP = _TP_GROUPS_OWNER = None
 
 
 def _init_tp_groups_with_new_group(tensor_model_parallel_size: int = 1,
@@ -249,6 +268,7 @@ def _init_tp_mesh_device(tensor_model_parallel_size: int = 1,
     """Create the data x tensor groups once (a second call keeps the first ones and returns None): through a
     ``DeviceMesh`` of dims ("data_parallel", "tensor_parallel"), or from explicit rank lists where a mesh cannot
     be used (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or a backend that cannot split groups). Returns (data, tensor)."""
+    _drop_stale_tp_groups()
     if _TENSOR_MODEL_PARALLEL_GROUP is not None:
         return None
     tp, dp = _tp_dp_sizes(tensor_model_parallel_size, data_parallel_size)
@@ -282,6 +302,7 @@ def _mesh_device(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
 def get_tensor_model_parallel_group() -> ProcessGroup:
     """The ``_init_tp_mesh_device`` tensor group, else the mpu's (tensor, else slice, else model API), else this
     rank alone."""
+    _drop_stale_tp_groups()
     if _TENSOR_MODEL_PARALLEL_GROUP is not None:
         return _TENSOR_MODEL_PARALLEL_GROUP
     return _from_mpu(_TENSOR["group"], _self_group)
@@ -289,6 +310,7 @@ def get_tensor_model_parallel_group() -> ProcessGroup:
 
 def get_model_parallel_group() -> ProcessGroup:
     """The ``_init_tp_mesh_device`` model group (the tensor group), else the tensor-parallel group."""
+    _drop_stale_tp_groups()
     if _MODEL_PARALLEL_GROUP is not None:
         return _MODEL_PARALLEL_GROUP
     return get_tensor_model_parallel_group()
@@ -296,6 +318,7 @@ def get_model_parallel_group() -> ProcessGroup:
 
 def get_data_parallel_group() -> ProcessGroup:
     """The ``_init_tp_mesh_device`` data group, else the mpu's, else the whole world."""
+    _drop_stale_tp_groups()
     if _DATA_PARALLEL_GROUP is not None:
         return _DATA_PARALLEL_GROUP
     return _get_data_parallel_group()
@@ -305,6 +328,7 @@ def get_tensor_model_parallel_world_size() -> int:
     """The tensor-parallel size (a ``set_tensor_model_parallel_world_size`` value wins)."""
     if _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
         return _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    _drop_stale_tp_groups()
     if _TENSOR_MODEL_PARALLEL_GROUP is not None:
         return torch_dist.get_world_size(_TENSOR_MODEL_PARALLEL_GROUP)
     return _from_mpu(_TENSOR["world_size"], lambda: 1)
@@ -314,6 +338,7 @@ def get_tensor_model_parallel_rank() -> int:
     """This rank's tensor-parallel rank (a ``set_tensor_model_parallel_rank`` value wins)."""
     if _MPU_TENSOR_MODEL_PARALLEL_RANK is not None:
         return _MPU_TENSOR_MODEL_PARALLEL_RANK
+    _drop_stale_tp_groups()
     if _TENSOR_MODEL_PARALLEL_GROUP is not None:
         return torch_dist.get_rank(_TENSOR_MODEL_PARALLEL_GROUP)
     return _from_mpu(_TENSOR["rank"], lambda: 0)
