@@ -15,6 +15,7 @@ from torch.fx import Graph, GraphModule
 from deepspeed.compile.passes import selective_gather as sg
 from deepspeed.compile.profilers import ProfilingResult, comm_profile
 from deepspeed.compile.profilers import graph_profile as gp
+from deepspeed.compile.state import active_state
 from deepspeed.compile.util import get_deepcompile_handle
 
 get_deepcompile_handle()
@@ -162,9 +163,9 @@ def test_bandwidth_helper_rejects_bad_input():
 
 def _measure_all_gather():
     comm_profile.MAX_EXP_HOST = 7
-    comm_profile.profile_results = None
+    active_state().comm_profile = None  # measured once per engine's state; this rank's active one measures again
     predict = comm_profile.create_predictor()
-    points = list(comm_profile.profile_results)
+    points = list(comm_profile.profile_results)  # DeepSpeed's module-level name: the active state's points
     return points, [predict(size) for size, _ in points]
 
 
@@ -263,7 +264,8 @@ def _passes_on_real_parameters():
     mem = gp.MemoryProfilingInterpreter(gm)
     results["scheduled"] = torch.equal(mem.run(x, *params), expected)
     profile.fwd_mem = mem.mem_record
-    comm_profile.MAX_EXP_HOST, comm_profile.profile_results = 6, None
+    comm_profile.MAX_EXP_HOST = 6
+    active_state().comm_profile = None
     gm = prefetch.schedule_prefetch(gm, 0, [(0, False)], {0: profile}, None, 0.0, None, bwd=False)
     gm = offload_parameters.offload_parameter_fwd(gm, 0, [(0, False)], {}, None, 0.0, None, bwd=False)
     before = handle.gathers

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch.fx import Graph, GraphModule
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.compile.comm_guard import outside_python_dispatcher
 from deepspeed.compile.fx import add_free_activations
 from deepspeed.compile.graph_param import DSGraphParamManager
 from deepspeed.compile.inductor import patch_create_aot_dispatcher_function, register_custom_ops
@@ -41,6 +42,7 @@ from deepspeed.compile.patch_compiled_func import (
     unpatch_compiled_func,
 )
 from deepspeed.compile.profilers import ProfilingResult
+from deepspeed.compile.state import DeepCompileState, GraphOrder, activate, active_state, register_graph
 from deepspeed.compile.util import (
     get_activation_node_names,
     get_deepcompile_handle,
@@ -54,43 +56,20 @@ __all__ = ["GraphOrder", "cleanup_compiled_backward_state", "init_schedule", "la
            "opt_passes", "register_builtin_passes", "register_compile_pass", "run_opt_passes", "patch_compiled_func",
            "unpatch_compiled_func"]
 
-remaining_schedule: deque | None = None
-next_passes: list[Callable] | None = None
-param_manager: dict[int, DSGraphParamManager] = {}
+frames_needing_bwd: set = set()  # process-wide with patch_compiled_func; keys carry their engine's token
+opt_passes: dict[str, Callable] = {}  # the pass registry by name (process-wide, as DeepSpeed's)
+
+# DeepSpeed's module-level names of the schedule and the compiled graphs: views onto the active engine's state
+_STATE_VIEWS = {"remaining_schedule": "remaining_schedule", "next_passes": "next_passes",
+                "param_manager": "param_manager", "graph_order_with_frame_id": "graph_order",
+                "frames_partitioned": "frames_partitioned", "profiling_results": "profiling_results",
+                "opt_pass_times": "opt_pass_times"}
 
 
-class GraphOrder:
-    """Captured graphs in first-run order, one per frame: ``(graph_id, needs_backward)``."""
-
-    def __init__(self) -> None:
-        self.frames: OrderedDict[int, tuple[int, bool | None]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self.frames)
-
-    def add_graph(self, graph_id: int, frame_id: int) -> None:
-        self.frames.setdefault(frame_id, (graph_id, None))
-
-    def set_needs_backward(self, frame_id: int, needs_backward: bool) -> None:
-        if frame_id in self.frames:
-            self.frames[frame_id] = (self.frames[frame_id][0], needs_backward)
-
-    def get_graph_order(self) -> list[tuple[int, bool]]:
-        unknown = [f for f, (_, nb) in self.frames.items() if not isinstance(nb, bool)]
-        if unknown:
-            raise RuntimeError(f"DeepCompile: graph order asked before frames {unknown} were compiled")
-        return list(self.frames.values())
-
-    def clear(self) -> None:
-        self.frames.clear()
-
-
-graph_order_with_frame_id = GraphOrder()
-frames_needing_bwd: set = set()
-frames_partitioned: set[int] = set()
-profiling_results: dict[int, ProfilingResult] = {}
-opt_pass_times: list[tuple[str, int, int, float]] = []
-opt_passes: dict[str, Callable] = {}
+def __getattr__(name: str) -> Any:
+    if name in _STATE_VIEWS:
+        return getattr(active_state(), _STATE_VIEWS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cleanup_compiled_backward_state(frame_id: Any = None, owned_frames: set | None = None) -> None:
@@ -144,32 +123,31 @@ def register_builtin_passes() -> None:
             register_compile_pass(name, fn, contract)
 
 
-def init_schedule(schedule: list) -> None:
-    """``[(global step, [pass, ...]), ...]``: the passes each graph gets from that step on."""
+def init_schedule(schedule: list, state: DeepCompileState | None = None) -> None:
+    """``[(global step, [pass, ...]), ...]``: the passes each graph gets from that step on (``state``: the engine's;
+    default the active one)."""
     if not isinstance(schedule, list):
         raise TypeError(f"DeepCompile schedule must be a list of (step, passes), got {type(schedule).__name__}")
     for entry in schedule:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
                 and isinstance(entry[1], list)):
             raise TypeError(f"DeepCompile schedule entries are (int step, list of passes), got {entry!r}")
-    global remaining_schedule
-    remaining_schedule = deque(schedule)
+    (state or active_state()).remaining_schedule = deque(schedule)
 
 
-def launch_compile_passes(global_steps: int, owned_frames: set | None = None) -> None:
-    """At a scheduled step: take that step's passes and forget everything compiled before (Dynamo included)."""
-    global next_passes
-    if not remaining_schedule or remaining_schedule[0][0] != global_steps:
+def launch_compile_passes(global_steps: int, owned_frames: set | None = None,
+                          state: DeepCompileState | None = None) -> None:
+    """At a scheduled step: take that step's passes and forget everything ``state`` compiled before (Dynamo's
+    caches included: they are process-wide, so another engine's graphs are captured again at its next call)."""
+    state = state or active_state()
+    remaining = state.remaining_schedule
+    if not remaining or remaining[0][0] != global_steps:
         return
-    _, next_passes = remaining_schedule.popleft()
-    log_rank0(f"Launching compile passes: global_steps={global_steps} passes={next_passes}", True)
+    _, state.next_passes = remaining.popleft()
+    log_rank0(f"Launching compile passes: global_steps={global_steps} passes={state.next_passes}", True)
     torch._dynamo.reset()
-    get_deepcompile_handle().reset()
-    graph_order_with_frame_id.clear()
-    profiling_results.clear()
-    param_manager.clear()
+    state.reset_compiled()
     cleanup_compiled_backward_state(owned_frames=owned_frames)
-    frames_partitioned.clear()
 
 
 def set_time_and_tensor_size(graph_id: int, graph: Graph, mem: list, bwd: bool, results: dict,
@@ -222,15 +200,19 @@ def _get_fw_real_inputs(local_real_inputs: deque, input_storage: InputStorage, g
                        "its inputs were consumed and nothing was stored)")
 
 
-def _sync_memory_profile_complete(complete: bool) -> bool:
-    """True when every rank's memory profile is complete (a MIN over ranks; one process answers alone), so all
-    ranks keep or drop the profile alike and the passes planning from it decide the same everywhere."""
+def _sync_memory_profile_complete(complete: bool, group: Any = None) -> bool:
+    """True when every rank of ``group`` (default: the world) has a complete memory profile (a MIN; one process
+    answers alone), so all ranks keep or drop the profile alike and the passes planning from it decide the same
+    everywhere. Called once per profiled pass of a compiled graph: every rank compiles the same graphs."""
     if not dist.is_initialized():
         return complete
     current = get_accelerator().current_device()
     device = torch.device(get_accelerator().current_device_name() if isinstance(current, int) else current)
     flag = torch.tensor([1 if complete else 0], dtype=torch.int, device=device)
-    dist.all_reduce(flag, dist.ReduceOp.MIN)
+    if group is None:
+        dist.all_reduce(flag, dist.ReduceOp.MIN)
+    else:
+        dist.all_reduce(flag, dist.ReduceOp.MIN, group=group)
     return bool(flag[0].item())
 
 
@@ -247,6 +229,14 @@ def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, g
     """Run ``opt_passes`` on ``gm`` in order. When a later pass of the step may plan from profiles (a step of more
     than one pass), each pass that changed the graph is followed by a memory profile on real inputs (one reduction
     over ranks for the whole run); a step of one pass profiles nothing."""
+    with outside_python_dispatcher():
+        return _run_opt_passes(opt_passes, gm, graph_id, graph_order, profiling_results, create_inputs_fn,
+                               mem_budget, param_manager, bwd, debug_log)
+
+
+def _run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, graph_order: list,
+                    profiling_results: dict, create_inputs_fn: Callable, mem_budget: float, param_manager: dict,
+                    bwd: bool, debug_log: bool) -> GraphModule:
     from deepspeed.compile.profilers.graph_profile import MemoryProfilingInterpreter
 
     _quiesce()
@@ -268,7 +258,7 @@ def run_opt_passes(opt_passes: list[Callable], gm: GraphModule, graph_id: int, g
                 profiler.run(*create_inputs_fn())
             finally:
                 handle.enable_profiling(False)
-            complete = _sync_memory_profile_complete(profiler.profile_complete)
+            complete = _sync_memory_profile_complete(profiler.profile_complete, handle.group)
             mem = list(profiler.mem_record) if complete else []
             set_time_and_tensor_size(graph_id, gm.graph, mem, bwd, profiling_results, complete)
         _quiesce()
@@ -289,7 +279,7 @@ def _param_indices(real_inputs: Any) -> tuple[bool, list[tuple[int, int, Any]]]:
 
 
 def make_backend(backend: Any, compile_config: Any, compile_kwargs: dict | None = None,
-                 owned_frames: set | None = None) -> Callable:
+                 owned_frames: set | None = None, state: DeepCompileState | None = None) -> Callable:
     """The Dynamo backend running DeepCompile's passes; ``backend``: ``"eager"`` or ``"inductor"``."""
     if backend not in ("eager", "inductor"):
         raise ValueError(f"DeepCompile: backend {backend!r} is not supported; accepted: 'eager', 'inductor'")
@@ -297,10 +287,12 @@ def make_backend(backend: Any, compile_config: Any, compile_kwargs: dict | None 
     register_builtin_passes()
     owned = set() if owned_frames is None else owned_frames
     owner_token = object()
+    state = state or active_state()  # the engine's (engine.compile passes it); captured, never looked up again
     free_activation = compile_config.free_activation and not is_backend_inductor(backend)
 
     def backend_fn(gm: GraphModule, real_inputs: list) -> Any:
-        return GraphCompiler(gm, real_inputs, compile_config, owner_token, owned, free_activation).compile(backend)
+        compiler = GraphCompiler(gm, real_inputs, compile_config, owner_token, owned, free_activation, state)
+        return compiler.compile(backend)
 
     return backend_fn
 
@@ -309,14 +301,16 @@ class GraphCompiler:
     """One captured graph through AOT autograd with DeepCompile's passes on its forward and backward graphs."""
 
     def __init__(self, gm: GraphModule, real_inputs: list, config: Any, owner_token: object, owned: set,
-                 free_activation: bool) -> None:
+                 free_activation: bool, state: DeepCompileState) -> None:
         self.graph_id = id(gm.graph)
         self.frame_id = gm.meta["dynamo_compile_id"].frame_id
         self.frame_key = (owner_token, self.frame_id)
+        self.state = state
+        register_graph(self.graph_id, state)  # the dc operators this graph gets act on this engine's handle
         self.gm, self.real_inputs, self.config, self.owned = gm, real_inputs, config, owned
         self.free_activation = free_activation
         self.debug = bool(config.debug_log)
-        graph_order_with_frame_id.add_graph(self.graph_id, self.frame_id)
+        self.state.graph_order.add_graph(self.graph_id, self.frame_id)
         self.z3, self.param_indices = _param_indices(real_inputs)
         # the forward compiler may run more than once (e.g. recompiling for backward): Dynamo's inputs serve the
         # first run, the storage rebuilds them for later ones
@@ -324,20 +318,21 @@ class GraphCompiler:
         self.storage = InputStorage(keep_int_input_tensors=config.keep_int_input_tensors,
                                     keep_all_input_tensors=config.keep_all_input_tensors)
         self.storage.put(real_inputs)
-        if self.graph_id not in profiling_results:
-            profiling_results[self.graph_id] = ProfilingResult()
-            profiling_results[self.graph_id].param_indices = self.param_indices
+        if self.graph_id not in state.profiling_results:
+            state.profiling_results[self.graph_id] = ProfilingResult()
+            state.profiling_results[self.graph_id].param_indices = self.param_indices
 
     def make_fw_graph(self, gm: GraphModule, sample_inputs: Any) -> Graph:
         from deepspeed.compile.partitioner import get_num_fwd_outputs
 
+        activate(self.state)  # the passes and profilers reach this engine's handle as the active one
         started = time.time()
-        index = len(graph_order_with_frame_id) - 1
+        index = len(self.state.graph_order) - 1
         # AOT autograd partitions the joint graph only when a backward is needed: the partitioner wrapper
         # recorded this frame if so
-        needs_backward = self.frame_id in frames_partitioned
-        graph_order_with_frame_id.set_needs_backward(self.frame_id, needs_backward)
-        result = profiling_results[self.graph_id]
+        needs_backward = self.frame_id in self.state.frames_partitioned
+        self.state.graph_order.set_needs_backward(self.frame_id, needs_backward)
+        result = self.state.profiling_results[self.graph_id]
         result.needs_backward = needs_backward
         result.num_fwd_outputs = get_num_fwd_outputs(self.frame_id)
         if needs_backward:
@@ -348,19 +343,20 @@ class GraphCompiler:
             register_backward_frame(self.frame_key)
         inputs = _get_fw_real_inputs(self.local_inputs, self.storage, self.graph_id, debug_log=self.debug)
         inputs = set_example_values_to_symints(inputs)
-        param_manager[self.graph_id] = DSGraphParamManager(gm.graph, inputs, self.param_indices)
+        self.state.param_manager[self.graph_id] = DSGraphParamManager(gm.graph, inputs, self.param_indices)
         with_rng = inputs + tuple(sample_inputs[len(inputs):])
-        run_opt_passes(next_passes, gm, self.graph_id, graph_order_with_frame_id.get_graph_order(),
-                       profiling_results, lambda: with_rng, 0.0, param_manager, False, self.debug)
-        opt_pass_times.append(("fwd", index, self.graph_id, time.time() - started))
+        run_opt_passes(self.state.next_passes, gm, self.graph_id, self.state.graph_order.get_graph_order(),
+                       self.state.profiling_results, lambda: with_rng, 0.0, self.state.param_manager, False, self.debug)
+        self.state.opt_pass_times.append(("fwd", index, self.graph_id, time.time() - started))
         return gm.graph
 
     def make_bw_graph(self, gm: GraphModule, sample_inputs: Any) -> Graph:
+        activate(self.state)  # compiled at the first backward, maybe after another engine's forward
         started = time.time()
-        order = graph_order_with_frame_id.get_graph_order()
+        order = self.state.graph_order.get_graph_order()
         index = get_index_by_graph_id(order, self.graph_id)
         inputs = pop_backward_input(self.frame_key)
-        manager = param_manager[self.graph_id]
+        manager = self.state.param_manager[self.graph_id]
         param_nodes_bw, _ = manager.get_bwd_mapping(gm.graph)
         if inputs is None:
             # compiled ahead of the first backward (symbolic sizes saved for backward): profile on zeros
@@ -368,15 +364,16 @@ class GraphCompiler:
             inputs = set_example_values_to_symints(manager.replace_fake_tensors_with_real_params(sample_inputs,
                                                                                                   gm.graph))
         inputs = tuple(inputs)
-        run_opt_passes(next_passes, gm, self.graph_id, order, profiling_results, lambda: inputs, 0.0,
-                       param_manager, True, self.debug)
+        state = self.state
+        run_opt_passes(state.next_passes, gm, self.graph_id, order, state.profiling_results, lambda: inputs, 0.0,
+                       state.param_manager, True, self.debug)
         if self.free_activation:
             names = {n.name for n in param_nodes_bw}
             others = [n.name for n in get_input_nodes(gm.graph) if n.name not in names]
             add_free_activations(self.graph_id, gm.graph,
                                  get_activation_node_names(gm.graph, param_nodes_bw, others))
         cleanup_compiled_backward_state(self.frame_key, self.owned)
-        opt_pass_times.append(("bwd", index, self.graph_id, time.time() - started))
+        self.state.opt_pass_times.append(("bwd", index, self.graph_id, time.time() - started))
         return gm.graph
 
     def compile(self, backend: str) -> Any:
@@ -395,12 +392,13 @@ class GraphCompiler:
                 return compile_graph
 
             partition_fn = get_wrapped_partitioner(self.z3, self.param_indices, min_cut_rematerialization_partition,
-                                                   self.frame_id, frames_partitioned)
+                                                   self.frame_id, self.state.frames_partitioned)
             return aot_module_simplified(self.gm, self.real_inputs, fw_compiler=compiler(self.make_fw_graph),
                                          bw_compiler=compiler(self.make_bw_graph), partition_fn=partition_fn)
         restore = patch_create_aot_dispatcher_function(self.graph_id, self.z3, self.make_fw_graph,
                                                        self.make_bw_graph, self.real_inputs, self.param_indices,
-                                                       param_manager, self.frame_id, frames_partitioned)
+                                                       self.state.param_manager, self.frame_id,
+                                                       self.state.frames_partitioned)
         try:
             return torch._inductor.compile(self.gm, self.real_inputs)
         finally:

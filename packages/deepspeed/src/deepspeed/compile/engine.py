@@ -76,23 +76,7 @@ def _resolve_schedule(schedule: Any) -> Any:
             raise ValueError(f"engine.compile: schedule step {step} names unknown passes {unknown}; registered: "
                              f"{sorted(opt_passes)}")
         resolved.append((step, [p if callable(p) else opt_passes[p] for p in passes]))
-    _refuse_profiled_passes(resolved)
     return resolved
-
-
-def _refuse_profiled_passes(schedule: list) -> None:
-    """``prefetch`` and ``selective_gather`` plan from per-node time and all-gather profiles taken on every rank;
-    run by ``engine.compile`` over gloo, those profiles were seen to leave the ranks in different collectives (a
-    hang), so the engine refuses them until that is fixed (the passes themselves work on a given profile)."""
-    from deepspeed.compile.passes import prefetch, selective_gather
-
-    refused = {prefetch.schedule_prefetch: prefetch.NAME, selective_gather.selective_gather: selective_gather.NAME}
-    for step, passes in schedule:
-        named = [refused[p] for p in passes if p in refused]
-        if named:
-            raise ValueError(f"engine.compile: schedule step {step} names {named}, which this version does not run "
-                             "through engine.compile (their multi-rank profiling can stall); accepted: "
-                             "zero3_compile with offload_parameters or the offload passes")
 
 
 def check_deepcompile(section: Any) -> None:

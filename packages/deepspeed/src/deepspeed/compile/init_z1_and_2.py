@@ -18,12 +18,12 @@ def init_z1_and_2(engine: Any, backend: Any, compile_config: Any, compile_kwargs
     """Number the parameters (``param_id``, what the backend keys non-ZeRO-3 parameters by) and return
     DeepCompile's Dynamo backend."""
     from deepspeed.compile.backend import init_schedule, make_backend
-    from deepspeed.compile.util import get_deepcompile_handle
+    from deepspeed.compile.state import attach_engine_state
 
-    get_deepcompile_handle().init(engine.seq_dp_group, compile_config)
+    state = attach_engine_state(engine)
+    state.handle.init(engine.seq_dp_group, compile_config)
     for i, param in enumerate(engine.module.parameters()):
         param.param_id = i
     engine._deepcompile_active = True
-    init_schedule(schedule if schedule is not None else [(0, [])])
-    engine._deepcompile_owned_frames = set()
-    return make_backend(backend, compile_config, compile_kwargs, owned_frames=engine._deepcompile_owned_frames)
+    init_schedule(schedule if schedule is not None else [(0, [])], state)
+    return make_backend(backend, compile_config, compile_kwargs, owned_frames=state.owned_frames, state=state)

@@ -98,19 +98,40 @@ def _undo_eager_linear(engine: Any) -> None:
     remove_functional_linear(engine.zero3_scheduler)
 
 
+WARMUP = 5  # steps run with zero3_compile alone before the planning passes take over (DeepSpeed's)
+
+
+def default_schedule(compile_config: Any) -> list:
+    """DeepSpeed's default ZeRO-3 schedule: ``zero3_compile`` from step 0 and ``zero3_compile`` + ``prefetch`` +
+    ``selective_gather`` from step ``WARMUP``; with ``offload_parameters``, ``zero3_compile`` +
+    ``offload_parameters`` from step 0; an optimizer-state or activation offload target brings its own
+    (``init_offload.offload_schedule``). Each step rewrites the captured graphs from scratch, so every entry
+    lists all its passes."""
+    from deepspeed.compile.init_offload import offload_schedule
+    from deepspeed.compile.passes import offload_parameters, prefetch, selective_gather
+    from deepspeed.compile.passes.zero3_compile import add_z3_gather_release
+
+    if getattr(compile_config, "offload_parameters", False):
+        return [(0, [add_z3_gather_release, offload_parameters.offload_parameter_fwd])]
+    offload = offload_schedule(compile_config, add_z3_gather_release, warmup=WARMUP)
+    if offload is not None:
+        return offload
+    return [(0, [add_z3_gather_release]),
+            (WARMUP, [add_z3_gather_release, prefetch.schedule_prefetch, selective_gather.selective_gather])]
+
+
 def init_z3(engine: Any, backend: Any, compile_config: Any, compile_kwargs: dict, schedule: list | None = None
             ) -> Any:
     """Hand the engine's ZeRO-3 parameters to DeepCompile and return its Dynamo backend.
 
     The module hooks come off (compiled graphs gather and release), every parameter goes back to its partition
     and is registered with the runtime (none persistent), whole gradients from the backward graphs go to the
-    engine's reduce-scatter, and the schedule defaults to ``[(0, [zero3_compile])]``.
+    engine's reduce-scatter, and the schedule defaults to DeepSpeed's (``default_schedule``).
     """
     from deepspeed.compile.backend import init_schedule, make_backend
-    from deepspeed.compile.init_offload import bind_offload_passes, check_offload_targets, offload_schedule
-    from deepspeed.compile.passes.zero3_compile import add_z3_gather_release
+    from deepspeed.compile.init_offload import bind_offload_passes, check_offload_targets
     from deepspeed.compile.patch_fake_tensor import patch_fake_tensor
-    from deepspeed.compile.util import get_deepcompile_handle
+    from deepspeed.compile.state import attach_engine_state
     from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
 
     check_offload_targets(engine, compile_config)  # before anything below converts the engine
@@ -119,7 +140,8 @@ def init_z3(engine: Any, backend: Any, compile_config: Any, compile_kwargs: dict
     scheduler.release_all(include_persistent=True)
     scheduler.persistent = []  # nothing is regathered after a step: the graphs gather what they read
     _undo_eager_linear(engine)
-    handle = get_deepcompile_handle()
+    state = attach_engine_state(engine)  # this engine's schedule, graphs, profiles and handle
+    handle = state.handle
     handle.init(engine.seq_dp_group, compile_config)
     for param in engine.module.parameters():
         if hasattr(param, "ds_id"):
@@ -131,14 +153,13 @@ def init_z3(engine: Any, backend: Any, compile_config: Any, compile_kwargs: dict
             handle.register_z3_param(param, grad_dtype=_resolve_expected_grad_dtype(param))
     handle.set_grad_sink(lambda param, grad: _hand_to_reducer(engine, param, grad))
     engine._deepcompile_z3_eager_fallback = DeepCompileZ3EagerFallback(engine)
-    if schedule is None:  # an offload target brings its own default (deepspeed.compile.init_offload)
-        schedule = offload_schedule(compile_config, add_z3_gather_release, warmup=5) or [(0, [add_z3_gather_release])]
-    init_schedule(schedule)
+    if schedule is None:
+        schedule = default_schedule(compile_config)
+    init_schedule(schedule, state)
     bind_offload_passes(schedule, engine.optimizer, handle)
-    engine._deepcompile_owned_frames = set()
     patch_fake_tensor()
     engine._release_deepcompile_dynamo_config()
     restore = _allow_dynamo_dynamic_parameter_shapes_for_z3(compile_kwargs)
     if restore is not None:
         engine._deepcompile_dynamo_config_restore = restore
-    return make_backend(backend, compile_config, compile_kwargs, owned_frames=engine._deepcompile_owned_frames)
+    return make_backend(backend, compile_config, compile_kwargs, owned_frames=state.owned_frames, state=state)

@@ -18,7 +18,8 @@ from torch.fx.node import map_aggregate, map_arg
 
 from deepspeed.accelerator import get_accelerator
 from deepspeed.compile.custom_ops import dc_ops
-from deepspeed.compile.custom_ops.handle import DeepCompileHandle, get_handle
+from deepspeed.compile.custom_ops.handle import DeepCompileHandle
+from deepspeed.compile.state import active_state, get_handle
 from deepspeed.utils.torch import required_torch_version
 
 
@@ -30,8 +31,8 @@ def is_deepcompile_supported() -> bool:
 
 
 def get_deepcompile_handle() -> DeepCompileHandle:
-    """The process's DeepCompile runtime (parameter registry, gathered values, gradient reduction); DeepSpeed's
-    compiled ``dc`` extension. Loading it registers the ``torch.ops.dc`` operators."""
+    """The active engine's DeepCompile runtime (parameter registry, gathered values, gradient reduction; see
+    ``compile.state``); DeepSpeed's compiled ``dc`` extension. Loading it registers the ``torch.ops.dc`` operators."""
     dc_ops.register()
     return get_handle()
 
@@ -40,36 +41,43 @@ def is_backend_inductor(backend: Any) -> bool:
     return backend == "inductor"
 
 
-backward_started = False
-pre_backward_hooks: list[Callable[[bool], None]] = []
-post_backward_hooks: list[Callable[[], None]] = []
+def __getattr__(name: str) -> Any:
+    # DeepSpeed's module-level names for the backward hooks: views onto the active engine's state
+    if name in ("backward_started", "pre_backward_hooks", "post_backward_hooks"):
+        return getattr(active_state(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_pre_backward_hook(hook: Callable[[bool], None]) -> None:
-    pre_backward_hooks.append(hook)
+    active_state().pre_backward_hooks.append(hook)
 
 
 def add_post_backward_hook(hook: Callable[[], None]) -> None:
-    post_backward_hooks.append(hook)
+    active_state().post_backward_hooks.append(hook)
 
 
 def remove_backward_hooks(hooks: list[Callable[..., Any]]) -> None:
-    """Drop hooks one engine added (its ``destroy``): the lists are process-global."""
+    """Drop hooks one engine added from the active state's lists (its own state's are dropped with it)."""
+    state = active_state()
     for hook in hooks:
-        for registry in (pre_backward_hooks, post_backward_hooks):
+        for registry in (state.pre_backward_hooks, state.post_backward_hooks):
             while hook in registry:
                 registry.remove(hook)
 
 
 def deepcompile_backward_prologue(is_gradient_accumulation_boundary: bool) -> None:
-    for hook in pre_backward_hooks:
+    state = active_state()
+    state.backward_started = True
+    for hook in state.pre_backward_hooks:
         hook(is_gradient_accumulation_boundary)
     get_deepcompile_handle().start_backward(is_gradient_accumulation_boundary)
 
 
 def deepcompile_backward_epilogue() -> None:
-    for hook in post_backward_hooks:
+    state = active_state()
+    for hook in state.post_backward_hooks:
         hook()
+    state.backward_started = False
 
 
 def log_rank0(msg: str, enable: bool = False) -> None:

@@ -21,12 +21,14 @@ class DeepCompileCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from deepspeed.compile.backend import launch_compile_passes
-        from deepspeed.compile.util import get_deepcompile_handle
+        from deepspeed.compile.state import activate
         from deepspeed.compile.z3_eager_fallback import deepcompile_z3_forward_context
 
         engine = self.engine_ref
-        launch_compile_passes(engine.global_steps, owned_frames=getattr(engine, "_deepcompile_owned_frames", None))
-        handle = get_deepcompile_handle()
+        state = engine._deepcompile_state
+        activate(state)  # this engine's forward (and the backward after it) use its state
+        launch_compile_passes(engine.global_steps, owned_frames=state.owned_frames, state=state)
+        handle = state.handle
         handle.clear_all_gathered_params()  # an optimizer step since the last forward changed the partitions
         handle.start_forward()
         with deepcompile_z3_forward_context(engine):

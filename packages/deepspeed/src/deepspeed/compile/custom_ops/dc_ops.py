@@ -1,7 +1,8 @@
 """The ``torch.ops.dc`` operators (DeepSpeed's schemas) that DeepCompile's passes insert into captured graphs.
 
 They are inserted after AOT autograd has split forward and backward, so they are never differentiated or
-functionalized; each forwards to the process's :class:`~deepspeed.compile.custom_ops.handle.DeepCompileHandle`.
+functionalized; each forwards to the :class:`~deepspeed.compile.custom_ops.handle.DeepCompileHandle` of the engine
+that compiled its graph (``compile.state.get_handle(graph_id)``).
 ``register()`` defines them once per process (``get_deepcompile_handle`` calls it).
 """
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from deepspeed.compile.custom_ops.handle import get_handle
+from deepspeed.compile.state import get_handle
 
 _SCHEMAS = {
     "allgather_param": "allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor",
@@ -36,16 +37,17 @@ SIDE_EFFECT_OPS = ("prefetch_params_fused", "release_param", "reduce_grad", "fre
                    "reload_parameter", "end_backward", "wait_allgather")
 
 
-def _handle() -> Any:
-    return get_handle()
+def _handle(graph_id: int) -> Any:
+    """The handle of the engine that compiled graph ``graph_id`` (every operator carries its graph's id)."""
+    return get_handle(graph_id)
 
 
 def _allgather(a: torch.Tensor, graph_id: int, ds_id: int, dtype: Any = None) -> torch.Tensor:
-    return _handle().allgather_param(graph_id, ds_id, dtype)
+    return _handle(graph_id).allgather_param(graph_id, ds_id, dtype)
 
 
 def _allgather_fake(a: torch.Tensor, graph_id: int, ds_id: int, dtype: Any = None) -> torch.Tensor:
-    shape = _handle().param_shape(ds_id)
+    shape = _handle(graph_id).param_shape(ds_id)
     return a.new_empty(shape, dtype=dtype or a.dtype)
 
 
@@ -57,7 +59,7 @@ _SCALAR_TYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 
 def _prefetch(graph_id: int, params: list, ids: list, dtypes: list) -> None:
     for ds_id, dtype in zip(ids, dtypes, strict=False):
-        _handle().allgather_param(graph_id, ds_id, _SCALAR_TYPES[dtype] if isinstance(dtype, int) else dtype)
+        _handle(graph_id).allgather_param(graph_id, ds_id, _SCALAR_TYPES[dtype] if isinstance(dtype, int) else dtype)
 
 
 def _wait(a: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
@@ -65,12 +67,12 @@ def _wait(a: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
 
 
 def _release(a: torch.Tensor, graph_id: int, ds_id: int, n_users: int) -> torch.Tensor:
-    _handle().release_param(graph_id, ds_id, n_users)
+    _handle(graph_id).release_param(graph_id, ds_id, n_users)
     return a
 
 
 def _reduce(a: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
-    _handle().reduce_grad(a, graph_id, ds_id)
+    _handle(graph_id).reduce_grad(a, graph_id, ds_id)
     return a.new_empty(0)
 
 
@@ -84,11 +86,11 @@ def _free(a: list) -> None:
 
 
 def _offload(a: torch.Tensor, graph_id: int, key: int) -> torch.Tensor:
-    return _handle().offload_tensor(a, graph_id, key)
+    return _handle(graph_id).offload_tensor(a, graph_id, key)
 
 
 def _reload(a: torch.Tensor, graph_id: int, key: int) -> torch.Tensor:
-    return _handle().reload_tensor(a, graph_id, key)
+    return _handle(graph_id).reload_tensor(a, graph_id, key)
 
 
 def _identity3(a: torch.Tensor, graph_id: int, key: int) -> torch.Tensor:
@@ -100,15 +102,15 @@ def _like3(a: torch.Tensor, graph_id: int, key: int) -> torch.Tensor:
 
 
 def _offload_param(a: torch.Tensor, graph_id: int, ds_id: int) -> None:
-    _handle().offload_parameter(graph_id, ds_id)
+    _handle(graph_id).offload_parameter(graph_id, ds_id)
 
 
 def _reload_param(a: torch.Tensor, graph_id: int, ds_id: int) -> None:
-    _handle().reload_parameter(graph_id, ds_id)
+    _handle(graph_id).reload_parameter(graph_id, ds_id)
 
 
 def _end_backward(deps: Any, graph_id: int, release_reduce_buckets: bool) -> None:
-    _handle().end_backward(graph_id, release_reduce_buckets)
+    _handle(graph_id).end_backward(graph_id, release_reduce_buckets)
 
 
 def _nothing(*args: Any) -> None:

@@ -32,7 +32,7 @@ class _Z3Param:
 
 @dataclass
 class DeepCompileHandle:
-    """One process's DeepCompile state (see the module docstring)."""
+    """One engine's DeepCompile runtime (see the module docstring); ``compile.state`` holds one per engine."""
 
     group: Any = None
     config: Any = None
@@ -171,14 +171,3 @@ def _gather_whole(param: torch.nn.Parameter) -> torch.Tensor:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(flat, part.contiguous(), group=space.group)
     return flat[:param.ds_numel].view(param.ds_shape)
-
-
-_HANDLE: DeepCompileHandle | None = None
-
-
-def get_handle() -> DeepCompileHandle:
-    """The process's handle (one per process, as DeepSpeed's extension is)."""
-    global _HANDLE
-    if _HANDLE is None:
-        _HANDLE = DeepCompileHandle()
-    return _HANDLE

@@ -1,6 +1,6 @@
 """All-gather cost model for the prefetch pass.
 
-``create_predictor()`` times ``all_gather_into_tensor`` once per process over message sizes 2**1 .. 2**(max_exp-1)
+``create_predictor()`` times ``all_gather_into_tensor`` once per engine over message sizes 2**1 .. 2**(max_exp-1)
 bytes-per-world elements, then answers "how long does gathering N bytes take" by linear interpolation between the
 measured points (and linear extrapolation past the largest; on the host the sweep stops early, see
 ``HOST_STOP_SECONDS``). Every rank takes part in every collective in the same
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -18,6 +19,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
+from ..state import active_state
 from .graph_profile import current_device, timing_events
 
 # Largest message tried is 2**(exp-1) elements per rank-world; the host stops lower (memory copies through gloo are
@@ -122,22 +124,26 @@ def _interpolate(points: list[tuple[int, float]]) -> Callable[[float], float]:
     return predict
 
 
-# (bytes, seconds) measured once per process; all graphs share the cost model.
-profile_results: list[tuple[int, float]] | None = None
+def __getattr__(name: str) -> Any:
+    # ``profile_results``: the active engine's measured points (DeepSpeed's module-level name)
+    if name == "profile_results":
+        return active_state().comm_profile
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def create_predictor() -> Callable[[float], float]:
-    """Seconds an all-gather of ``size`` bytes takes here (measured on first use; 0 for size 0)."""
-    global profile_results
-    if profile_results is None:
+    """Seconds an all-gather of ``size`` bytes takes here (0 for size 0), measured once per engine (kept in its
+    ``compile.state``: every rank's engine is new together, so every rank measures, or reuses, alike)."""
+    state = active_state()
+    if state.comm_profile is None:
         device = current_device()
         max_exp = MAX_EXP_HOST if device.type == "cpu" else MAX_EXP_DEVICE
         with unset_fake_temporarily():
-            profile_results = run_all_gather(device, torch.bfloat16, max_exp,
-                                             stop_seconds=HOST_STOP_SECONDS if device.type == "cpu" else None)
+            state.comm_profile = run_all_gather(device, torch.bfloat16, max_exp,
+                                                stop_seconds=HOST_STOP_SECONDS if device.type == "cpu" else None)
         if dist.get_rank() == 0:
-            for size, seconds in profile_results:
+            for size, seconds in state.comm_profile:
                 print(f"all-gather profile: {size} bytes {seconds:.6f} s")
-    if len(profile_results) < 2:
+    if len(state.comm_profile) < 2:
         raise RuntimeError("all-gather profile has no measured size (out of memory at the smallest one)")
-    return _interpolate(profile_results)
+    return _interpolate(state.comm_profile)

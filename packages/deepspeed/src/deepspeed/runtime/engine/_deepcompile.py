@@ -1,6 +1,7 @@
-"""DeepCompile's state on the engine: whether compiled graphs run the ZeRO work (``is_deepcompile_active``), and
-the process-wide things one engine claims for it (captured backward inputs, Dynamo settings), released by
-``_set_deepcompile_active(False)`` or ``destroy()`` without touching another engine's."""
+"""DeepCompile's state on the engine: whether compiled graphs run the ZeRO work (``is_deepcompile_active``), the
+engine's own ``compile.state.DeepCompileState`` (schedule, graphs, profiles, runtime handle; made by
+``engine.compile``), and the process-wide things one engine claims (captured backward inputs, Dynamo settings).
+``destroy()`` releases this engine's state and claims without touching another engine's."""
 
 from __future__ import annotations
 
@@ -54,17 +55,17 @@ class DeepCompileMethods:
             from deepspeed.compile.util import remove_backward_hooks
 
             remove_backward_hooks(hooks)
-        if self.is_deepcompile_active():
-            from deepspeed.compile.util import get_deepcompile_handle
+        state = self.__dict__.pop("_deepcompile_state", None)
+        if state is not None:
+            from deepspeed.compile.state import release
 
-            get_deepcompile_handle().cleanup()
-            self._deepcompile_active = False
+            release(state)  # this engine's schedule, graphs, profiles and handle; another engine's stay
+        self._deepcompile_active = False
 
     def get_compile_time(self) -> list:
-        """DeepCompile's pass times: ``(fwd|bwd, graph index, graph id, seconds)`` per compiled graph."""
-        from deepspeed.compile.backend import opt_pass_times
-
-        return opt_pass_times
+        """DeepCompile's pass times: ``(fwd|bwd, graph index, graph id, seconds)`` per graph this engine compiled."""
+        state = getattr(self, "_deepcompile_state", None)
+        return [] if state is None else state.opt_pass_times
 
     def register_compile_pass(self, pass_name: str, pass_fn: Callable, contract: Any = None) -> None:
         from deepspeed.compile.backend import register_compile_pass
