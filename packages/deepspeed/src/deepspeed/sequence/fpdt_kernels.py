@@ -14,15 +14,22 @@ backward pass, so forward and backward drop the same entries.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    """``"2.7.4.post1"`` -> ``(2, 7, 4)``: enough to pick flash-attn's call signature."""
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
 
 try:  # optional: DeepSpeed's FPDT kernels
     import flash_attn
     from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-    from packaging.version import Version
 
-    _FLASH_VERSION = Version(flash_attn.__version__)
+    _FLASH_VERSION = _version_tuple(flash_attn.__version__)
 except ImportError:
     _flash_attn_forward = _flash_attn_backward = None
     _FLASH_VERSION = None
@@ -116,11 +123,12 @@ def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels need unit stride on the head dim
     common = dict(causal=causal, alibi_slopes=None, return_softmax=False)
-    if _FLASH_VERSION >= Version("2.7.0"):  # window split into two ints; 4 return values
+    if _FLASH_VERSION >= (2, 7):  # window split into two ints; 4 return values
         out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, window_size_left=-1, window_size_right=-1,
                                              softcap=0.0, **common)
-    elif _FLASH_VERSION >= Version("2.6.0"):
+    elif _FLASH_VERSION >= (2, 6):
         out, _, _, _, _, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, window_size=(-1, -1), softcap=0.0,
                                                          **common)
     else:
@@ -130,11 +138,12 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) 
 
 def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = (dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), dq, dk, dv, 0.0, scale, causal)
-    if _FLASH_VERSION >= Version("2.7.0"):
+    if _FLASH_VERSION >= (2, 7):
         _flash_attn_backward(*args, -1, -1, 0.0, None, False, rng_state=None)
-    elif _FLASH_VERSION >= Version("2.6.0"):
+    elif _FLASH_VERSION >= (2, 6):
         _flash_attn_backward(*args, (-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
     else:
         _flash_attn_backward(*args, (-1, -1), alibi_slopes=None, deterministic=False, rng_state=None)
