@@ -99,3 +99,31 @@ def test_engines_in_reused_workers_then_two_rank_bitwise():
     assert run_distributed(_leave_an_engine_behind, world_size=1, args=(None, ), timeout=240)[0] > 0
     for plain_losses, plain_weights, losses, weights in run_distributed(_bitwise_pair, world_size=2, timeout=300):
         assert losses == plain_losses and weights == plain_weights
+
+
+def _python_dispatcher_on() -> bool:
+    return "PythonDispatcher" in str(torch._C._dispatch_tls_local_include_set())
+
+
+def test_passes_and_their_collectives_run_outside_the_python_dispatcher():
+    # AOT autograd compiles with the Python dispatcher on; a gloo collective enqueued under it holds the GIL
+    # while gloo's worker may need it (the stall of prefetch + selective_gather on 2 ranks; compile.comm_guard)
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx import symbolic_trace
+
+    from deepspeed.compile.backend import run_opt_passes
+    from deepspeed.compile.comm_guard import outside_python_dispatcher
+
+    seen = []
+
+    def probe(gm, *args):
+        seen.append(_python_dispatcher_on())
+
+    gm = symbolic_trace(torch.nn.Linear(2, 2))
+    with enable_python_dispatcher():
+        assert _python_dispatcher_on()
+        with outside_python_dispatcher():
+            seen.append(_python_dispatcher_on())
+        run_opt_passes([probe, probe], gm, 0, [], {}, lambda: (torch.ones(2), ), 0.0, {}, False)
+        assert _python_dispatcher_on()  # back on after
+    assert seen == [False, False, False]

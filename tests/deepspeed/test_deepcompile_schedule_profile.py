@@ -15,7 +15,7 @@ from torch.fx import Graph, GraphModule
 from deepspeed.compile.passes import selective_gather as sg
 from deepspeed.compile.profilers import ProfilingResult, comm_profile
 from deepspeed.compile.profilers import graph_profile as gp
-from deepspeed.compile.state import active_state
+from deepspeed.compile.state import DeepCompileState, activate, active_state, release
 from deepspeed.compile.util import get_deepcompile_handle
 
 get_deepcompile_handle()
@@ -162,10 +162,16 @@ def test_bandwidth_helper_rejects_bad_input():
 
 
 def _measure_all_gather():
+    saved = comm_profile.MAX_EXP_HOST, comm_profile.HOST_STOP_SECONDS
     comm_profile.MAX_EXP_HOST = 7
+    comm_profile.HOST_STOP_SECONDS = float("inf")  # every size, however loaded the machine (the early stop is timed)
     active_state().comm_profile = None  # measured once per engine's state; this rank's active one measures again
-    predict = comm_profile.create_predictor()
-    points = list(comm_profile.profile_results)  # DeepSpeed's module-level name: the active state's points
+    try:
+        predict = comm_profile.create_predictor()
+        points = list(comm_profile.profile_results)  # DeepSpeed's module-level name: the active state's points
+    finally:  # the worker process is reused by later tests
+        comm_profile.MAX_EXP_HOST, comm_profile.HOST_STOP_SECONDS = saved
+        active_state().comm_profile = None
     return points, [predict(size) for size, _ in points]
 
 
@@ -237,9 +243,6 @@ def _z3_matmul_graph(params) -> GraphModule:
 
 
 def _passes_on_real_parameters():
-    from deepspeed.compile.list_schedule import fast_free_schedule
-    from deepspeed.compile.passes import offload_parameters, prefetch
-    from ds_zero.zero3.convert import convert_param
     from ds_zero.zero3.param import PartitionSpace
 
     torch.manual_seed(0)
@@ -249,8 +252,19 @@ def _passes_on_real_parameters():
         expected = expected @ w
     space = PartitionSpace.of(None, "cpu", "cpu")
     params = [torch.nn.Parameter(w.clone()) for w in fulls]
-    handle = get_deepcompile_handle()
-    handle.cleanup()
+    state = DeepCompileState()  # its own DeepCompile state, as an engine has (the worker process is reused)
+    activate(state)
+    try:
+        return _run_passes(state.handle, x, params, space, expected)
+    finally:
+        release(state)
+
+
+def _run_passes(handle, x, params, space, expected):
+    from deepspeed.compile.list_schedule import fast_free_schedule
+    from deepspeed.compile.passes import offload_parameters, prefetch
+    from ds_zero.zero3.convert import convert_param
+
     for p in params:
         convert_param(p, space)
         handle.register_z3_param(p)
@@ -264,9 +278,11 @@ def _passes_on_real_parameters():
     mem = gp.MemoryProfilingInterpreter(gm)
     results["scheduled"] = torch.equal(mem.run(x, *params), expected)
     profile.fwd_mem = mem.mem_record
-    comm_profile.MAX_EXP_HOST = 6
-    active_state().comm_profile = None
-    gm = prefetch.schedule_prefetch(gm, 0, [(0, False)], {0: profile}, None, 0.0, None, bwd=False)
+    saved, comm_profile.MAX_EXP_HOST = comm_profile.MAX_EXP_HOST, 6
+    try:
+        gm = prefetch.schedule_prefetch(gm, 0, [(0, False)], {0: profile}, None, 0.0, None, bwd=False)
+    finally:
+        comm_profile.MAX_EXP_HOST = saved
     gm = offload_parameters.offload_parameter_fwd(gm, 0, [(0, False)], {}, None, 0.0, None, bwd=False)
     before = handle.gathers
     results["rewritten"] = torch.equal(gm(x, *params), expected)

@@ -385,7 +385,9 @@ class MemoryProfilingInterpreter(Interpreter):
     until the next node that may communicate or the output, where every rank votes and all stop together; so the
     run costs one vote per communicating node plus one reduction, not a collective per node.
 
-    ``profile_complete`` is False after a failed run, and ``mem_record`` is then empty.
+    ``profile_complete`` is False after a failed run, and ``mem_record`` is then empty; it is the same on every
+    rank (a failure anywhere, fake inputs included, reaches every rank through the votes), except when a collective
+    itself fails.
     """
 
     def __init__(self, gm: GraphModule, debug_log: bool = False):
@@ -410,8 +412,8 @@ class MemoryProfilingInterpreter(Interpreter):
         self._local, self._error = [], None
         self._distributed = dist.is_initialized()
         try:
-            if not _all_real_if_tensor(args):
-                raise ValueError("MemoryProfilingInterpreter.run needs real tensors, got fake ones")
+            if not _all_real_if_tensor(args):  # held like a node's failure: every rank still takes the same votes
+                self._error = ValueError("MemoryProfilingInterpreter.run needs real tensors, got fake ones")
             self.nz3.enable_profiling(True)
             self.mem_usage_out_of_torch = _get_mem_usage_out_of_torch()
             with unset_fake_temporarily(), _fork_rng(self.device):
