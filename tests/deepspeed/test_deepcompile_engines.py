@@ -57,9 +57,12 @@ def _two_engines_one_destroyed() -> dict:
     _steps(reference, 1, seed=1)
     out["reference"] = _steps(reference, 2, seed=2)
     out["same_weights"] = _weights(second) == _weights(reference)
+    states = [e._deepcompile_state for e in (second, reference)]
     second.destroy()
     reference.destroy()
-    out["default_after"] = active_state().remaining_schedule is None and not active_state().handle.params
+    # the active state is none of the destroyed engines' (the detached default), and theirs were emptied
+    out["default_after"] = (all(active_state() is not s for s in states)
+                            and all(not s.handle.params and s.remaining_schedule is None for s in states))
     return out
 
 

@@ -56,7 +56,7 @@ def handle(monkeypatch):
     dc_ops.register()
     inductor_mod.register_custom_ops()
     holder = SimpleNamespace(handle=None)
-    monkeypatch.setattr(dc_ops, "_handle", lambda: holder.handle)
+    monkeypatch.setattr(dc_ops, "_handle", lambda graph_id=None: holder.handle)  # (the graph's engine's handle)
     return holder
 
 
