@@ -8,6 +8,8 @@ as flash-attn does), and FPDT through them must equal full causal attention.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,8 +92,7 @@ def _through_fake_flash(version):
     b = torch.zeros(rows, requires_grad=True)
     upstream = torch.randn(batch, seq, heads, d, generator=gen)
 
-    saved = (fpdt_kernels._flash_attn_forward, fpdt_kernels._flash_attn_backward, fpdt_kernels._FLASH_VERSION,
-             fpdt_kernels._use_flash)
+    saved = (fpdt_kernels._FLASH, fpdt_kernels._use_flash)
     calls = []
     fwd, bwd = FAKES[version]
 
@@ -101,16 +102,14 @@ def _through_fake_flash(version):
             return fn(*args, **kwargs)
         return call
 
-    fpdt_kernels._flash_attn_forward, fpdt_kernels._flash_attn_backward = counted(fwd), counted(bwd)
-    fpdt_kernels._FLASH_VERSION = version
+    fpdt_kernels._FLASH = (counted(fwd), counted(bwd), version)
     fpdt_kernels._use_flash = lambda q, p: p == 0  # the fakes run on CPU in fp32
     try:
         out = _FPDTGPUAttentionImpl_.apply(x, None, None, None, dist.group.WORLD, 2, 0, hidden, heads * d, d,
                                            kv_heads * d, w, b, 0.0, 4, False)
         out.backward(upstream)
     finally:  # the worker process runs other tests next
-        (fpdt_kernels._flash_attn_forward, fpdt_kernels._flash_attn_backward, fpdt_kernels._FLASH_VERSION,
-         fpdt_kernels._use_flash) = saved
+        fpdt_kernels._FLASH, fpdt_kernels._use_flash = saved
     assert calls.count(fwd.__name__) == 10 and calls.count(bwd.__name__) == 10  # 4 chunks: 4+3+2+1 blocks
 
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -135,3 +134,6 @@ def test_version_parsing_and_dispatch_rules():
     assert fpdt_kernels._version_tuple("2.6.3") >= (2, 6) > fpdt_kernels._version_tuple("2.5.9")
     q = torch.zeros(1, 2, 1, 4)
     assert not fpdt_kernels._use_flash(q, 0.0)  # CPU tensors always take the torch path
+    assert not fpdt_kernels._use_flash(q.half(), 0.0)
+    # without flash-attn installed the lookup says so (and is cached), rather than failing
+    assert fpdt_kernels.flash_attn_available() == (importlib.util.find_spec("flash_attn") is not None)

@@ -14,7 +14,9 @@ backward pass, so forward and backward drop the same entries.
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,19 +27,28 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
-try:  # optional: DeepSpeed's FPDT kernels
-    import flash_attn
-    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+# flash-attn is optional and undeclared: looked up at the first block that could use it, not at import
+_FLASH: Any = False  # False: not looked up yet; None: unavailable; else (forward, backward, version)
 
-    _FLASH_VERSION = _version_tuple(flash_attn.__version__)
-except ImportError:
-    _flash_attn_forward = _flash_attn_backward = None
-    _FLASH_VERSION = None
+
+def _flash_kernels() -> Any:
+    global _FLASH
+    if _FLASH is False:
+        _FLASH = None
+        if importlib.util.find_spec("flash_attn") is not None:
+            try:
+                import flash_attn
+                from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+            except ImportError:
+                pass
+            else:
+                _FLASH = (_flash_attn_forward, _flash_attn_backward, _version_tuple(flash_attn.__version__))
+    return _FLASH
 
 
 def flash_attn_available() -> bool:
-    """Whether flash-attn's kernels imported (FPDT then uses them for fp16/bf16 CUDA tensors without dropout)."""
-    return _flash_attn_forward is not None and _flash_attn_backward is not None
+    """Whether flash-attn's kernels import (FPDT then uses them for fp16/bf16 CUDA tensors without dropout)."""
+    return _flash_kernels() is not None
 
 
 def acc(t: Tensor) -> Tensor:
@@ -46,7 +57,7 @@ def acc(t: Tensor) -> Tensor:
 
 
 def _use_flash(q: Tensor, dropout_p: float) -> bool:
-    return flash_attn_available() and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0 and flash_attn_available()
 
 
 def _expand_kv(t: Tensor, heads: int) -> Tensor:
@@ -124,11 +135,12 @@ def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels need unit stride on the head dim
+    _flash_attn_forward, _, version = _flash_kernels()
     common = dict(causal=causal, alibi_slopes=None, return_softmax=False)
-    if _FLASH_VERSION >= (2, 7):  # window split into two ints; 4 return values
+    if version >= (2, 7):  # window split into two ints; 4 return values
         out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, window_size_left=-1, window_size_right=-1,
                                              softcap=0.0, **common)
-    elif _FLASH_VERSION >= (2, 6):
+    elif version >= (2, 6):
         out, _, _, _, _, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, window_size=(-1, -1), softcap=0.0,
                                                          **common)
     else:
@@ -139,11 +151,12 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) 
 def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _, _flash_attn_backward, version = _flash_kernels()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = (dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), dq, dk, dv, 0.0, scale, causal)
-    if _FLASH_VERSION >= (2, 7):
+    if version >= (2, 7):
         _flash_attn_backward(*args, -1, -1, 0.0, None, False, rng_state=None)
-    elif _FLASH_VERSION >= (2, 6):
+    elif version >= (2, 6):
         _flash_attn_backward(*args, (-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
     else:
         _flash_attn_backward(*args, (-1, -1), alibi_slopes=None, deterministic=False, rng_state=None)
