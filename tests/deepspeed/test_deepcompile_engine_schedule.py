@@ -4,6 +4,7 @@ checks their contracts; the default ZeRO-3 schedule is DeepSpeed's and trains on
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _harness import run_distributed
 
@@ -107,6 +108,7 @@ def _train(default_schedule: bool, steps: int) -> tuple[bytes, bytes, int]:
     return torch.stack(losses).numpy().tobytes(), weights, persistent
 
 
+@pytest.mark.slow  # compiles 3 x 2 ranks (about a minute on 2 cores)
 def test_default_schedule_on_two_ranks_is_bitwise_zero3_compile_alone():
     """DeepSpeed's default schedule switches prefetch and selective_gather on at step 5 (every graph recompiled and
     profiled on both ranks): twice, it finishes and trains bitwise as zero3_compile alone (prefetch only moves the

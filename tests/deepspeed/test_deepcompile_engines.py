@@ -4,6 +4,7 @@ processes (ranks with different histories of earlier engines) run a 2-rank DeepC
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _harness import run_distributed
 
@@ -95,6 +96,7 @@ def _bitwise_pair() -> tuple[list[float], bytes, list[float], bytes]:
     return plain_losses, plain_weights, again_losses, again_weights
 
 
+@pytest.mark.slow  # compiles 3 x 2 ranks (about a minute on 2 cores)
 def test_engines_in_reused_workers_then_two_rank_bitwise():
     # one worker gets a history of DeepCompile engines (one left alive), the other does not
     assert run_distributed(_leave_an_engine_behind, world_size=1, args=([(0, ["zero3_compile"])], ),
