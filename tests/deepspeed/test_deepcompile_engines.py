@@ -132,3 +132,26 @@ def test_passes_and_their_collectives_run_outside_the_python_dispatcher():
         run_opt_passes([probe, probe], gm, 0, [], {}, lambda: (torch.ones(2), ), 0.0, {}, False)
         assert _python_dispatcher_on()  # back on after
     assert seen == [False, False, False]
+
+
+def _two_offload_engines() -> str:
+    import deepspeed
+
+    config = {**_CONFIG, "compile": {"deepcompile": True, "offload_opt_states": True}}
+    first, *_ = deepspeed.initialize(model=_model(), config=config)
+    first.compile(backend="eager")
+    second, *_ = deepspeed.initialize(model=_model(), config=config)
+    second.compile(backend="eager")  # rebinds the (process-wide) optimizer-state offload to its optimizer
+    try:
+        first(torch.ones(2, 8))
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        first.destroy()
+        second.destroy()
+    return "ran"
+
+
+def test_an_engine_whose_optimizer_state_offload_was_rebound_refuses_to_run():
+    (message, ) = run_distributed(_two_offload_engines, world_size=1, timeout=120)
+    assert "offload_opt_states is bound to another engine's optimizer" in message

@@ -57,7 +57,19 @@ _OPT_STATE_PASSES = (offload_adam_states.move_opt_states, offload_adam_states.mo
                      offload_adam_states.offload_adam_states_for_init)
 
 
-def bind_offload_passes(schedule: list, optimizer: Any, handle: Any) -> None:
-    """Point the optimizer-state pass at ``optimizer`` when the schedule uses it."""
+def bind_offload_passes(schedule: list, optimizer: Any, handle: Any) -> bool:
+    """Point the optimizer-state pass at ``optimizer`` when the schedule uses it (True then). That binding is
+    process-wide: the engine checks at each forward that it is still its own (``check_offload_binding``)."""
     if any(p in _OPT_STATE_PASSES for _, passes in schedule for p in passes):
         offload_adam_states.init_offload_opt_states(optimizer, handle)
+        return True
+    return False
+
+
+def check_offload_binding(bound_optimizer: Any) -> None:
+    """Refuse a forward of an engine whose optimizer-state offload was rebound to another engine's optimizer
+    (its graphs would move that engine's states)."""
+    if bound_optimizer is not None and offload_adam_states.optimizer is not bound_optimizer:
+        raise RuntimeError("DeepCompile: compile.offload_opt_states is bound to another engine's optimizer (an engine "
+                           "compiled with it after this one); one engine with offload_opt_states per process at a "
+                           "time: destroy() the other engine or compile without offload_opt_states")

@@ -156,7 +156,8 @@ def init_z3(engine: Any, backend: Any, compile_config: Any, compile_kwargs: dict
     if schedule is None:
         schedule = default_schedule(compile_config)
     init_schedule(schedule, state)
-    bind_offload_passes(schedule, engine.optimizer, handle)
+    if bind_offload_passes(schedule, engine.optimizer, handle):
+        state.offload_opt_states_optimizer = engine.optimizer
     patch_fake_tensor()
     engine._release_deepcompile_dynamo_config()
     restore = _allow_dynamo_dynamic_parameter_shapes_for_z3(compile_kwargs)

@@ -69,6 +69,9 @@ class DeepCompileState:
         self.post_backward_hooks: list[Callable[[], None]] = []
         self.backward_started = False
         self.graph_ids: set[int] = set()
+        # the optimizer the optimizer-state offload pass was bound to for this engine (that pass's binding is
+        # process-wide: one such engine at a time, checked at each forward)
+        self.offload_opt_states_optimizer: Any = None
 
     def reset_compiled(self) -> None:
         """A new schedule step: every graph is captured and rewritten again (the cost model stays)."""
@@ -138,6 +141,7 @@ def release(state: DeepCompileState) -> None:
     state.reset_compiled()
     state.handle.cleanup()
     state.remaining_schedule, state.next_passes, state.comm_profile = None, None, None
+    state.offload_opt_states_optimizer = None
     state.pre_backward_hooks.clear()
     state.post_backward_hooks.clear()
     if _active is state:

@@ -21,12 +21,14 @@ class DeepCompileCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from deepspeed.compile.backend import launch_compile_passes
+        from deepspeed.compile.init_offload import check_offload_binding
         from deepspeed.compile.state import activate
         from deepspeed.compile.z3_eager_fallback import deepcompile_z3_forward_context
 
         engine = self.engine_ref
         state = engine._deepcompile_state
         activate(state)  # this engine's forward (and the backward after it) use its state
+        check_offload_binding(state.offload_opt_states_optimizer)
         launch_compile_passes(engine.global_steps, owned_frames=state.owned_frames, state=state)
         handle = state.handle
         handle.clear_all_gathered_params()  # an optimizer step since the last forward changed the partitions
