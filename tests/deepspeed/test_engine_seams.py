@@ -280,13 +280,13 @@ def test_engine_without_an_optimizer_evaluates(tmp_path, stage):
     assert "no optimizer" in r["sched_error"]
 
 
-# -- mesh_param: the pure data-parallel mesh is served, others are a clear error ------------------------------
+# -- mesh_param: the pure data-parallel mesh is served, a shape that does not fit the world is a clear error ----
 def _mesh_body() -> dict:
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=_model(), config=BASE, mesh_param=(2, 1))
     try:
-        deepspeed.initialize(model=_model(), config=BASE, mesh_param=(1, 2))
+        deepspeed.initialize(model=_model(), config=BASE, mesh_param=(2, 2))
         error = "no error"
     except ValueError as exc:
         error = str(exc)
@@ -295,7 +295,7 @@ def _mesh_body() -> dict:
 
 def test_mesh_param():
     for r in run_distributed(_mesh_body, world_size=2, timeout=60):
-        assert r["dp"] == 2 and "mesh_param=(1, 2)" in r["error"] and "data-parallel" in r["error"]
+        assert r["dp"] == 2 and "mesh_param=(2, 2)" in r["error"] and "world size (2)" in r["error"]
 
 
 # -- a client optimizer whose groups have no learning rate -----------------------------------------------------

@@ -34,16 +34,27 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _check_mesh(mesh_param: Any) -> None:
-    """``mesh_param=(dp, sp)``: only the pure data-parallel mesh is available in this version."""
+def _apply_mesh(mesh_param: Any, ds_config: Any) -> None:
+    """``mesh_param=(dp, sp)``: DeepSpeed's (data_parallel, sequence_parallel) mesh, another way of giving the
+    config's ``data_parallel_size`` and ``sequence_parallel_size``: the same groups (blocks of ``sp`` consecutive
+    ranks share a sequence), so it sets those keys; values the config gives too must agree."""
     if mesh_param is None:
         return
     import torch.distributed as dist
 
-    dp_size, sp_size = tuple(mesh_param)
-    if sp_size != 1 or dp_size != dist.get_world_size():
-        raise ValueError(f"deepspeed.initialize: mesh_param={tuple(mesh_param)}: only a pure data-parallel mesh "
-                         f"(world size {dist.get_world_size()}, 1) is available in this version")
+    shape = tuple(mesh_param) if isinstance(mesh_param, (tuple, list)) else ()
+    world = dist.get_world_size()
+    if len(shape) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape) \
+            or shape[0] * shape[1] != world:
+        raise ValueError(f"deepspeed.initialize: mesh_param={mesh_param!r}: accepted: (data_parallel_size, "
+                         f"sequence_parallel_size), two positive integers whose product is the world size ({world})")
+    dp, sp = shape
+    for key, value in (("data_parallel_size", dp), ("sequence_parallel_size", sp)):
+        given = getattr(ds_config, key)
+        if key in ds_config.model_fields_set and given is not None and given != value:
+            raise ValueError(f"deepspeed.initialize: mesh_param={shape} gives {key} {value} but the config sets "
+                             f"{key}: {given}; accepted: the same value in both, or the key left out")
+    ds_config.data_parallel_size, ds_config.sequence_parallel_size = dp, sp
 
 
 def _pipeline_module(model: Any) -> Any:
@@ -74,13 +85,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     pipe = _pipeline_module(model)
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    _check_mesh(mesh_param)
     engine_class: Any = DeepSpeedEngine
     if pipe is not None:
         from deepspeed.runtime.pipe.engine import PipelineEngine, pipeline_mpu
 
         mpu, engine_class = pipeline_mpu(pipe, mpu), PipelineEngine
     ds_config = load_config(source)
+    _apply_mesh(mesh_param, ds_config)
     if pipe is None:  # AutoTP: shard the model, tensor/data groups as the mpu
         from deepspeed.runtime.autoep import fold_before_autotp
         from deepspeed.runtime.autotp import apply_autotp

@@ -44,7 +44,7 @@ def _parallel(engine: Any) -> ParallelInfo:
         dp_rank=dist.get_rank(group) if distributed and dp_size > 1 else 0,
         dp_world_size=dp_size,
         dp_group=group,
-        mp_rank=int(getattr(engine, "mp_rank", 0)),
+        mp_rank=int(getattr(engine, "checkpoint_mp_rank", getattr(engine, "mp_rank", 0))),  # files' mp_rank_XX
         mp_world_size=int(getattr(engine, "mp_world_size", 1)),
     )
 

@@ -153,7 +153,7 @@ class AutoEPCheckpointShards:
 
     def complete_module_state(self, weights: dict[str, Any], load: Callable[[str], Any]) -> dict[str, Any]:
         """Stack this rank's experts (by global id) from the per-expert files into the fused weights."""
-        mp = self.engine.mp_rank
+        mp = self.engine.checkpoint_mp_rank
         if self.zero3:
             return weights
         # the expert layout first: a model with another expert count is told so, not that a file is missing

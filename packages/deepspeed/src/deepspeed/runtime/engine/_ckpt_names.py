@@ -16,22 +16,26 @@ from deepspeed.utils.logging import logger
 
 
 class CheckpointNameMethods:
-    """Mixin for ``DeepSpeedEngine``; requires ``mp_rank``, ``dp_group`` and ``zero_optimization_stage()``."""
+    """Mixin for ``DeepSpeedEngine``; requires ``checkpoint_mp_rank``, ``dp_group`` and
+    ``zero_optimization_stage()``."""
 
-    mp_rank: int
+    checkpoint_mp_rank: int  # the mp_rank_XX of this rank's files (0 without model parallelism)
     dp_group: Any
 
     def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
                        pp_placeholder: str | None = None) -> str:
         """This rank's model-states file: ``mp_rank_XX_model_states.pt``, under ZeRO-3 one per data-parallel rank
         (``zero_pp_rank_<dp>_mp_rank_XX_model_states.pt``). The placeholders replace the ranks (glob patterns)."""
-        mp = mp_placeholder if mp_placeholder is not None else f"{self.mp_rank:02d}"
+        mp = mp_placeholder if mp_placeholder is not None else f"{self.checkpoint_mp_rank:02d}"
         if self.zero_optimization_stage() == 3:  # type: ignore[attr-defined]
+            # ZeRO-3 partitions over the sequence-data group (the data-parallel group without sequence parallelism)
+            group = getattr(self, "seq_dp_group", self.dp_group)
             dp = pp_placeholder if pp_placeholder is not None else (
-                dist.get_rank(self.dp_group) if dist.is_initialized() else 0)
+                dist.get_rank(group) if dist.is_initialized() else 0)
             name = f"zero_pp_rank_{dp}_mp_rank_{mp}_model_states.pt"
         else:
-            name = f"mp_rank_{mp}_model_states.pt" if mp_placeholder is not None else model_states_name(self.mp_rank)
+            name = f"mp_rank_{mp}_model_states.pt" if mp_placeholder is not None \
+                else model_states_name(self.checkpoint_mp_rank)
         return os.path.join(checkpoints_path, str(tag), name)
 
     def _get_all_ckpt_names(self, checkpoints_path: str, tag: Any) -> list[str]:
@@ -40,7 +44,7 @@ class CheckpointNameMethods:
 
     def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int) -> str:
         """The optimizer file of expert-parallel rank ``expp_rank`` (MoE without ZeRO)."""
-        name = f"expp_rank_{expp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+        name = f"expp_rank_{expp_rank}_mp_rank_{self.checkpoint_mp_rank:02d}_optim_states.pt"
         return os.path.join(checkpoints_path, str(tag), name)
 
     def _get_zero_param_shapes(self) -> list[dict[str, Any]]:

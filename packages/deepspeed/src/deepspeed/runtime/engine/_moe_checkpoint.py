@@ -78,7 +78,7 @@ class MoECheckpointShards:
         """Add this rank's experts (by global id, renamed to the local ids) to the saved shared weights."""
         from ds_moe import groups
 
-        mp = self.engine.mp_rank
+        mp = self.engine.checkpoint_mp_rank
         for layer_id, name, moe in self._layers():
             first = groups._get_expert_parallel_rank(moe.expert_group_name) * moe.num_local_experts
             head = f"{name}{_EXPERTS}" if name else _EXPERTS.lstrip(".")

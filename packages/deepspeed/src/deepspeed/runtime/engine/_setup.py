@@ -34,8 +34,12 @@ def place(engine: Any, mpu: Any, dp_group: Any) -> None:
     if mpu is not None and dp_group is None:
         dp_group = mpu.get_data_parallel_group()
     engine.mpu = mpu
-    engine.mp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
-    engine.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
+    # a sequence-parallel mpu (the parallel_state_sp module) calls its sequence axis "model parallel", but the
+    # weights are replicated over it: as DeepSpeed, no model parallelism, one file set named mp_rank_00
+    model_parallel = mpu is not None and not hasattr(mpu, "initialize_sequence_parallel")
+    engine.mp_rank = mpu.get_model_parallel_rank() if model_parallel else 0
+    engine.mp_world_size = mpu.get_model_parallel_world_size() if model_parallel else 1
+    engine.checkpoint_mp_rank = engine.mp_rank if engine.mp_world_size > 1 else 0  # the mp_rank_XX of files
     engine.dp_group = dp_group
     distributed = dist.is_available() and dist.is_initialized()
     engine.dp_world_size = dist.get_world_size(dp_group) if distributed else 1
@@ -46,6 +50,7 @@ def place(engine: Any, mpu: Any, dp_group: Any) -> None:
     engine.seq_dp_group = mpu.get_sequence_data_parallel_group() if sp > 1 else dp_group
     engine.seq_dp_world_size = dist.get_world_size(engine.seq_dp_group) if distributed and sp > 1 \
         else engine.dp_world_size
+    _name_groups(engine, mpu, distributed)
     engine.global_rank = dist.get_rank() if distributed else 0
     engine.world_size = dist.get_world_size() if distributed else 1
     _apply_logging_and_mesh_keys(engine, engine._config)
@@ -53,6 +58,17 @@ def place(engine: Any, mpu: Any, dp_group: Any) -> None:
     accelerator = get_accelerator()
     accelerator.set_device(engine.local_rank)  # one device per local rank (a no-op on the CPU)
     engine.device = torch.device(accelerator.device_name(engine.local_rank))
+
+
+def _name_groups(engine: Any, mpu: Any, distributed: bool) -> None:
+    """DeepSpeed's names for the engine's groups (client code reduces over them): ``data_parallel_group``,
+    ``seq_data_parallel_group`` and, with sequence parallelism only (as DeepSpeed), ``seq_parallel_group`` (when the
+    mpu names its sequence group)."""
+    world = dist.group.WORLD if distributed else None
+    engine.data_parallel_group = engine.dp_group if engine.dp_group is not None else world
+    engine.seq_data_parallel_group = engine.seq_dp_group if engine.seq_dp_group is not None else world
+    if engine.sequence_parallel_size > 1 and hasattr(mpu, "get_sequence_parallel_group"):
+        engine.seq_parallel_group = mpu.get_sequence_parallel_group()
 
 
 def _apply_logging_and_mesh_keys(engine: Any, config: Any) -> None:
