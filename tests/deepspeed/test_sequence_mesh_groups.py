@@ -62,7 +62,8 @@ def _mesh_routes() -> dict:
         by_config = _groups_and_gradient(_engine(config_params={**BASE, "data_parallel_size": 2,
                                                                 "sequence_parallel_size": 2}))
         by_mesh = _groups_and_gradient(_engine(config=BASE, mesh_param=(2, 2)))
-        zero3 = _engine(config={**BASE, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}, mesh_param=(2, 2))
+        zero3 = _engine(config={**BASE, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True},
+                        mesh_param=(2, 2))
         zero3_name = os.path.basename(zero3._get_ckpt_name("ckpt", "t"))
         errors = []
         for mesh, extra in (((2, 2), {"sequence_parallel_size": 4}), ((4, 1), {"data_parallel_size": 2}),
