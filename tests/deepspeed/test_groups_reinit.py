@@ -78,3 +78,40 @@ def test_groups_are_rebuilt_not_reused_after_reinit(tmp_path):
         assert result["after"]["tp"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert result["after"]["ep"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert result["after"]["edp"] == [rank % 2, rank % 2 + 2]
+
+
+class _SequenceMpu:
+    """A sequence-parallel mpu of the first world (its group dies with it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.size
+
+
+def _mpu_across_reinit(store_dir: str) -> dict:
+    _init(store_dir, 0)
+    registered = _SequenceMpu(2)
+    groups.register_mpu(registered)
+    first = groups._get_sequence_parallel_world_size()
+    dist.destroy_process_group()
+    _init(store_dir, 1)
+    try:
+        # the next world without an mpu: the first world's mpu must not answer (AutoEP would lay out its expert
+        # groups for a sequence size of 2 on this rank and 1 on a fresh one, and the ranks' new_group calls part)
+        second = groups._get_sequence_parallel_world_size()
+        forgotten = groups.registered_mpu() is None
+        groups.mpu = _SequenceMpu(4)  # DeepSpeed clients' spelling: owned by the world it is first read under
+        third = groups._get_sequence_parallel_world_size()
+    finally:
+        dist.destroy_process_group()
+        groups.register_mpu(None)
+    return {"first": first, "second": second, "forgotten": forgotten, "third": third}
+
+
+def test_registered_mpu_is_forgotten_with_its_world(tmp_path):
+    results = run_distributed(_mpu_across_reinit, world_size=2, args=(str(tmp_path),), init_process_group=False,
+                              timeout=90)
+    for result in results:
+        assert result == {"first": 2, "second": 1, "forgotten": True, "third": 4}

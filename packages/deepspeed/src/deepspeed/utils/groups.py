@@ -13,8 +13,8 @@ Expert-parallel and expert-data-parallel groups (``_create_expert_and_data_paral
 ``_get_max_expert_*``) are ``ds_moe.groups``' (MoE creates them per ``ep_size``); this module serves them by name.
 Groups kept here belong to the default process group they were made under: after ``destroy_process_group`` they
 are never handed out again (a process that initialises torch.distributed anew gets new ones on request, as a fresh
-process would; ``ds_moe.groups`` does the same for the expert groups). A registered mpu is the caller's object and
-is kept as it is.
+process would; ``ds_moe.groups`` does the same for the expert groups). The registered mpu too: its groups die with
+the default group it was registered under, so it is forgotten then (register it again in the new world).
 """
 
 from __future__ import annotations
@@ -73,14 +73,31 @@ _TP_GROUPS_OWNER: Any = None  # the default process group the three groups above
 _DEVICE_MESH_SPLIT_UNSUPPORTED = "No backend for the parent process group or its backend does not support splitting"
 
 
+# (mpu, the default process group it was registered or first read under): an mpu's groups die with that group
+_MPU_OWNER: list[Any] = [None, None]
+
+
 def register_mpu(new_mpu: Any) -> None:
     """Make ``new_mpu`` the source of every group (``None`` unregisters it)."""
     global mpu
     mpu = new_mpu
+    _MPU_OWNER[:] = [new_mpu, _default_group()]
 
 
 def registered_mpu() -> Any:
-    """The registered mpu, or ``None``."""
+    """The registered mpu, or ``None`` (also once the default process group it was registered under is destroyed:
+    its groups went with it, and a reused process must not read them in its next world)."""
+    global mpu
+    if mpu is None:
+        return None
+    world = _default_group()
+    if _MPU_OWNER[0] is not mpu:  # assigned as ``groups.mpu = grid``: owned by the group it is first read under
+        _MPU_OWNER[:] = [mpu, world]
+    elif _MPU_OWNER[1] is None:  # registered before init_process_group
+        _MPU_OWNER[1] = world
+    elif world is not _MPU_OWNER[1]:
+        mpu = None
+        _MPU_OWNER[:] = [None, None]
     return mpu
 
 
@@ -137,7 +154,7 @@ def _require_dist() -> None:
 def _from_mpu(names: Sequence[str], fallback: Callable[[], Any]) -> Any:
     """The registered mpu's answer (its first method among ``names``), else ``fallback()``."""
     _require_dist()
-    method = _method(mpu, names)
+    method = _method(registered_mpu(), names)
     return fallback() if method is None else method()
 
 
