@@ -20,6 +20,8 @@ the default group it was registered under, so it is forgotten then (register it 
 from __future__ import annotations
 
 import os
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,9 +93,7 @@ def registered_mpu() -> Any:
     if mpu is None:
         return None
     world = _default_group()
-    if _MPU_OWNER[0] is not mpu:  # assigned as ``groups.mpu = grid``: owned by the group it is first read under
-        _MPU_OWNER[:] = [mpu, world]
-    elif _MPU_OWNER[1] is None:  # registered before init_process_group
+    if _MPU_OWNER[1] is None:  # registered before init_process_group
         _MPU_OWNER[1] = world
     elif world is not _MPU_OWNER[1]:
         mpu = None
@@ -406,3 +406,16 @@ def __getattr__(name: str) -> Any:
 
         return expert_parallel_ranks_with_mpu
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _GroupsModule(types.ModuleType):
+    """``groups.mpu = grid`` (DeepSpeed clients' spelling) registers ``grid`` as ``register_mpu`` does, so it is owned
+    by the world it is assigned in, even when the same object is assigned again in a later world."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "mpu":
+            _MPU_OWNER[:] = [value, _default_group()]
+
+
+sys.modules[__name__].__class__ = _GroupsModule
